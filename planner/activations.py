@@ -1,0 +1,262 @@
+"""Activation model: the tensors a transformers model saves for backward, per layer, with the formula
+for each in view (Calculon / Megatron style), plus the transients at the moments that can be the peak.
+
+Every term is a `Tensors(name, nbytes, count)`: `count` live tensors of `nbytes` each, so the allocator's
+per-tensor rounding can be applied. Notation: b micro batch, s sequence, T = b*s tokens, h hidden,
+a query heads, k kv heads, d head dim, f MLP intermediate, V vocab, E experts, K experts per token.
+Byte widths: p = matmul outputs (4 fp32, 2 half), r = residual stream / norm outputs (4 under fp32 and
+autocast, 2 in pure half), see rules.Precision. docs/activations.md derives each term.
+
+Starting point: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), 34*s*b*h + 5*a*s^2*b bytes per layer in half precision with dropout; this model refines it to
+what transformers' implementations save (separate q/k/v casts under autocast, fp32 softmax up-casts,
+RMSNorm's fp32 copies, gated MLPs, GQA expansion in eager attention, MoE routing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .modelspec import ModelSpec
+from .rules import ACTIVATION_SAVES, Precision
+
+# Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
+SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
+# Linear layers reading the attention input / MLP input (each makes its own cast copy under autocast).
+QKV_LINEARS = {"gpt2": 1, "gpt_neox": 1, "phi3": 1}  # fused qkv; others have q, k, v projections (3)
+UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have gate and up (2)
+NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
+MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
+PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
+
+
+@dataclass(frozen=True)
+class Tensors:
+    name: str
+    nbytes: float  # bytes of one tensor
+    count: int = 1
+
+    @property
+    def total(self) -> float:
+        return self.nbytes * self.count
+
+
+@dataclass
+class ActivationModel:
+    """Saved activations and the transients that matter for the peak, for one micro batch."""
+
+    layer: list[Tensors]  # saved by one encoder (or decoder-only) layer
+    decoder_layer: list[Tensors]  # saved by one decoder layer of an encoder-decoder (else empty)
+    other: list[Tensors]  # embeddings, final norm, head, loss
+    layer_input: list[Tensors]  # what full checkpointing keeps per layer
+    layer_backward: list[Tensors]  # extra live in one layer's backward (grad buffers)
+    loss_forward: list[Tensors]  # transient while the loss is computed (half + fp32 logits)
+    loss_backward: list[Tensors]  # transient at the start of backward (loss gradient chain)
+    infer_working: list[Tensors] = field(default_factory=list)  # one layer's no-grad working set
+
+
+def total(ts: list[Tensors]) -> float:
+    return sum(t.total for t in ts)
+
+
+def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Saved by one norm. LayerNorm (native_layer_norm) saves its input + mean/rstd (fp32, per token).
+    transformers' RMSNorm upcasts: pow saves the fp32 input (a copy in pure half), the weight multiply
+    saves the normalised tensor in the input dtype."""
+    h, r = spec.hidden_size, prec.residual
+    if spec.norm == "layernorm":
+        return [Tensors("norm input", r * h * T), Tensors("norm mean/rstd", 4 * T, 2)]
+    return [Tensors("rmsnorm fp32 input", 4 * h * T), Tensors("rmsnorm normalised", r * h * T),
+            Tensors("rmsnorm rstd", 4 * T)]
+
+
+def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
+    """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
+    the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
+    if prec.autocast:
+        return [Tensors(f"{name} (half cast)", 2 * width * T, n_linears)]
+    return [Tensors(name, prec.residual * width * T)]
+
+
+def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
+               cross: bool = False) -> list[Tensors]:
+    """Saved by one attention block after its input projection: q, k, v, the core, the output input."""
+    a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
+    Tq, Tkv = b * s_q, b * s_kv
+    out: list[Tensors] = []
+    if attn == "eager":
+        # repeat_kv materialises k and v at `a` heads; matmul saves the expanded copies.
+        kv_heads = a
+        out += [Tensors("q", p * a * d * Tq), Tensors("k, v", p * kv_heads * d * Tkv, 2)]
+        scores = b * a * s_q * s_kv
+        upcast = spec.model_type in SOFTMAX_FP32
+        sm = 4 if (prec.autocast or upcast or p == 4) else p
+        out.append(Tensors("softmax output", sm * scores))
+        dropout = spec.attention_dropout > 0
+        if dropout:
+            out.append(Tensors("attention dropout mask", 1 * scores))
+        if dropout or sm != p:
+            # the PV matmul saves its own input: the dropout output or the cast back to p
+            out.append(Tensors("attention probs (matmul input)", p * scores))
+        out.append(Tensors("context (o_proj input)", p * a * d * Tq))
+    else:
+        # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
+        # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
+        out += [Tensors("q", p * a * d * Tq), Tensors("k, v", p * k * d * Tkv, 2),
+                Tensors("attention output", p * a * d * Tq), Tensors("logsumexp", 4 * b * a * s_q),
+                Tensors("context (o_proj input)", p * a * d * Tq)]
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq))
+    return out
+
+
+def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
+    """Saved by the MLP after its input projection(s), for `tokens` tokens."""
+    f, p, h = spec.intermediate_size, prec.act, spec.hidden_size
+    saves = ACTIVATION_SAVES.get(spec.activation, 1)
+    out: list[Tensors] = []
+    if spec.mlp == "gated":
+        out += [Tensors("gate output (act input)", p * f * tokens, saves),
+                Tensors("act output, up output", p * f * tokens, 2),
+                Tensors("gate*up (down input)", p * f * tokens)]
+    else:
+        out.append(Tensors("act input", p * f * tokens, saves))
+        if spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0:
+            out.append(Tensors("mlp dropout mask", 1 * f * tokens))
+        out.append(Tensors("act output (down input)", p * f * tokens))
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("mlp dropout mask", 1 * h * tokens))
+    return out
+
+
+def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Top-K routing (transformers Mixtral): router softmax in fp32, each token's hidden state gathered
+    for each of its K experts, the expert MLP on K*T tokens, the weighted expert output."""
+    h, E, K, r = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual
+    routed = K * T
+    out = _linear_inputs(1, h, T, prec, "router input")
+    out.append(Tensors("router softmax", 4 * E * T))
+    n_in = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+    out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
+    if not prec.autocast:
+        out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed)]
+    out += _mlp(spec, routed, prec)
+    out.append(Tensors("expert output (weighted)", prec.act * h * routed))
+    return out
+
+
+def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
+           s_enc: int = 0) -> list[Tensors]:
+    h, T = spec.hidden_size, b * s
+    n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
+    out: list[Tensors] = []
+    for _ in range(n_norms):
+        out += _norm(spec, T, prec)
+    n_qkv = QKV_LINEARS.get(spec.model_type, 3)
+    out += _linear_inputs(n_qkv, h, T, prec, "qkv input")
+    out += _attention(spec, b, s, s, prec, attn)
+    if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
+        out += _linear_inputs(1, h, T, prec, "cross q input")
+        out += _attention(spec, b, s, s_enc, prec, attn, cross=True)
+    if spec.is_moe:
+        out += _moe(spec, T, prec)
+    else:
+        n_up = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+        if spec.model_type in PARALLEL_RESIDUAL:
+            n_up = 1
+        out += _linear_inputs(n_up, h, T, prec, "mlp input")
+        out += _mlp(spec, T, prec)
+    return out
+
+
+def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
+    """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
+    gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB)."""
+    T, p = b * s, prec.act
+    f_tokens = T * (spec.experts_per_token if spec.is_moe else 1)
+    mlp = [Tensors("mlp grad buffers", p * spec.intermediate_size * f_tokens, 2)]
+    if attn == "eager":
+        scores = b * spec.num_heads * s * s
+        sm = 4 if (prec.autocast or spec.model_type in SOFTMAX_FP32 or p == 4) else p
+        att = [Tensors("attention grad buffers", sm * scores, 2)]
+        return att if total(att) > total(mlp) else mlp
+    return mlp
+
+
+def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensors]:
+    h, T, r = spec.hidden_size, b * s, prec.residual
+    out: list[Tensors] = []
+    if spec.arch == "vision":
+        out.append(Tensors("pixel values (patch conv input)", 4 * b * spec.num_channels * spec.image_size ** 2))
+    if spec.arch in ("encoder", "vision") and spec.model_type != "vit":
+        out += [Tensors("embedding norm input", r * h * T), Tensors("embedding norm mean/rstd", 4 * T, 2)]
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("embedding dropout mask", 1 * h * T))
+    return out
+
+
+def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
+    """(saved, loss forward transient, loss backward transient) of the head and its loss."""
+    h, T, V, p = spec.hidden_size, b * s, spec.vocab_size, prec.act
+    saved: list[Tensors] = []
+    if spec.arch in ("decoder", "encoder-decoder", "vision"):
+        saved += _norm(spec, T, prec)  # final norm
+    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+        saved += _linear_inputs(1, h, T, prec, "lm_head input")
+        # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
+        # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
+        saved.append(Tensors("log_softmax output (fp32)", 4 * T * V))
+        fwd = [Tensors("logits", p * T * V)]
+        if p != 4:
+            fwd.append(Tensors("logits fp32 up-cast", 4 * T * V))
+        # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 (saved output still alive),
+        # then the cast of the gradient back to the logits dtype.
+        bwd = [Tensors("loss grad buffers (fp32)", 4 * T * V, 2)]
+        if p != 4:
+            bwd.append(Tensors("logits grad (half)", p * T * V))
+        return saved, fwd, bwd
+    # classification heads read one token (pooler / CLS) or all tokens for token classification
+    n_tok = T if spec.head == "token-classification" else b
+    saved.append(Tensors("head input", prec.residual * h * n_tok))
+    return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
+
+
+def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> ActivationModel:
+    if spec.arch == "vision":
+        s = spec.seq_positions
+    layer = _layer(spec, b, s, prec, attn)
+    dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s) if spec.num_decoder_layers else []
+    saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
+    T = b * s
+    return ActivationModel(
+        layer=layer,
+        decoder_layer=dec,
+        other=_embeddings(spec, b, s, prec) + saved_head,
+        layer_input=[Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T)],
+        layer_backward=_layer_backward(spec, b, s, prec, attn),
+        loss_forward=loss_fwd,
+        loss_backward=loss_bwd,
+    )
+
+
+def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, full_logits: bool) -> list[Tensors]:
+    """Live tensors while one layer runs under no_grad (nothing is saved): the residual, the norm
+    output, the larger of the attention and MLP intermediates, and the logits."""
+    if spec.arch == "vision":
+        s = spec.seq_positions
+    h, a, k, d, f, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, b * s
+    base = [Tensors("residual, norm output", p * h * T, 2)]
+    attn_ts = [Tensors("q, k, v", p * d * T * (a + 2 * k))]
+    if attn == "eager":
+        attn_ts.append(Tensors("scores, probs", 4 * b * a * s * s, 2))
+    else:
+        attn_ts.append(Tensors("attention output", p * a * d * T))
+    f_tok = T * (spec.experts_per_token if spec.is_moe else 1)
+    mlp_ts = [Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
+    work = base + (attn_ts if total(attn_ts) > total(mlp_ts) else mlp_ts)
+    V = spec.vocab_size
+    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+        n_tok = T if full_logits else b
+        work.append(Tensors("logits", p * n_tok * V))
+        work.append(Tensors("logits fp32", 4 * n_tok * V))
+    return work

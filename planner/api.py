@@ -1,0 +1,54 @@
+"""The Python API launchers call: names or objects in, pydantic results out. The CLI is thin over this."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from . import estimator, search
+from .catalog import resolve_model
+from .errors import UserError
+from .modelspec import ModelSpec
+from .profiles import GPUProfile, load_gpu
+from .workload import Workload
+
+
+def _spec(model: str | ModelSpec, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    return model if isinstance(model, ModelSpec) else resolve_model(model, head=head, trust_remote_code=trust_remote_code)
+
+
+def _gpu(gpu: str | GPUProfile) -> GPUProfile:
+    return gpu if isinstance(gpu, GPUProfile) else load_gpu(gpu)
+
+
+def _validation_message(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def workload(**kwargs: Any) -> Workload:
+    """A validated Workload; bad values raise UserError with one line."""
+    try:
+        return Workload(**{k: v for k, v in kwargs.items() if v is not None})
+    except ValidationError as e:
+        raise UserError(_validation_message(e)) from None
+
+
+def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
+             trust_remote_code: bool = False, **work: Any) -> estimator.MemoryBreakdown:
+    """Predict the memory of one configuration.
+
+    >>> memplan.estimate("bert-large", "v100-16g", micro_batch=4, seq_len=512, precision="fp32")
+    work: the Workload fields (task, micro_batch, seq_len, grad_accum, precision, optim, grad_ckpt,
+    attn, max_new_tokens, beams, momentum, zero_grad, headroom).
+    """
+    return estimator.estimate(_spec(model, head, trust_remote_code), _gpu(gpu), workload(**work))
+
+
+def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
+            trust_remote_code: bool = False, **options: Any) -> search.Suggestion:
+    """Ranked plans that fit: see memplan.search.suggest for the options."""
+    return search.suggest(_spec(model, head, trust_remote_code), _gpu(gpu), **options)

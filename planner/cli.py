@@ -1,0 +1,175 @@
+"""`memplan` command line: thin over memplan.api. Every command takes --json; user errors exit 2 with
+one line on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import __version__
+from .errors import UserError
+
+MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
+GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
+
+
+def _emit_json(doc) -> None:
+    click.echo(doc.model_dump_json(indent=1) if hasattr(doc, "model_dump_json") else json.dumps(doc, indent=1))
+
+
+def _momentum(optim_args: str | None) -> float:
+    """HF TrainingArguments.optim_args style: 'momentum=0.9,nesterov=True'; memplan reads momentum."""
+    if not optim_args:
+        return 0.0
+    for item in optim_args.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "momentum":
+            try:
+                return float(value)
+            except ValueError:
+                raise UserError(f"--optim-args: momentum must be a number, got {value!r}") from None
+    return 0.0
+
+
+def common_options(f):
+    for opt in reversed([
+        click.option("--model", "-m", required=True, help=MODEL_HELP),
+        click.option("--gpu", "-g", required=True, help=GPU_HELP),
+        click.option("--task", type=click.Choice(["train", "infer"]), default="train", show_default=True),
+        click.option("--seq-len", type=int, help="tokens per sequence [default: model maximum, capped at 512 "
+                     "(encoders) / 2048 (decoders)]"),
+        click.option("--optim", help="HF TrainingArguments optim name or 'adamw' [default: adamw_torch_fused]"),
+        click.option("--optim-args", help="optimizer arguments, e.g. 'momentum=0.9' for sgd"),
+        click.option("--attn", help="eager, sdpa, flash (transformers attn_implementation names accepted)"),
+        click.option("--head", help="model head: causal-lm, sequence-classification, seq2seq-lm, "
+                     "image-classification, masked-lm, token-classification, question-answering, base"),
+        click.option("--zero-grad", type=click.Choice(["set-to-none", "zeros"]), default="set-to-none",
+                     show_default=True, help="zeros: gradients stay allocated between steps (torch 1.x)"),
+        click.option("--headroom", type=float, default=0.05, show_default=True,
+                     help="fraction of GPU memory to keep free"),
+        click.option("--trust-remote-code", is_flag=True, help="allow custom modelling code from the hub"),
+        click.option("--json", "as_json", is_flag=True, help="print one JSON document"),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="memplan")
+def cli() -> None:
+    """Plan GPU memory for training and serving Hugging Face models."""
+
+
+@cli.command()
+@common_options
+@click.option("--micro-batch", "-b", type=int, default=1, show_default=True, help="sequences per GPU per step")
+@click.option("--grad-accum", type=int, default=1, show_default=True)
+@click.option("--precision", help="train: fp32, fp16, bf16 (autocast), bf16-pure; infer: fp32, fp16, bf16 "
+              "(autocast), fp16-pure, bf16-pure, int8, int4 [default: train fp32, infer best half]")
+@click.option("--grad-ckpt", type=click.Choice(["none", "full"]), default="none", show_default=True)
+@click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
+@click.option("--beams", type=int, default=1, show_default=True)
+def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
+             as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams) -> None:
+    """Predict the memory of one configuration: breakdown and the three meters."""
+    from . import api
+    from .search import best_mixed_precision, default_seq_len
+
+    spec = api._spec(model, head, trust_remote_code)
+    prof = api._gpu(gpu)
+    if precision is None:
+        precision = "fp32" if task == "train" else best_mixed_precision(prof, task)
+    est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
+                       grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
+                       grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
+                       zero_grad=zero_grad, headroom=headroom)
+    if as_json:
+        _emit_json(est)
+    else:
+        from .report import print_estimate
+
+        print_estimate(est)
+
+
+@cli.command()
+@common_options
+@click.option("--batch-size", type=int, help="global batch in sequences [default: 32]")
+@click.option("--precision", help="one, a comma list, or 'any' [default: best mixed precision of the GPU]")
+@click.option("--grad-ckpt", help="none, full, a comma list, or 'any' [default: any]")
+@click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
+def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
+            as_json, batch_size, precision, grad_ckpt, top) -> None:
+    """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
+    from . import api
+
+    s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
+                    global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
+                    momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top)
+    if as_json:
+        _emit_json(s)
+    else:
+        from .report import print_suggestion
+
+        print_suggestion(s)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def gpus(as_json) -> None:
+    """List the bundled GPU profiles."""
+    from .profiles import list_gpus
+
+    profiles = list_gpus()
+    if as_json:
+        _emit_json({"gpus": [p.model_dump(mode="json") for p in profiles]})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "GPU", "memory (driver)", "sm", "bf16", "flash", "dense TFLOP/s (fp16/bf16)", "aliases")
+    for p in profiles:
+        half = p.tflops.get("bf16") or p.tflops.get("fp16") or 0
+        t.add_row(p.name, p.full_name, f"{p.memory_bytes / 2**30:.1f} GiB", ".".join(map(str, p.compute_capability)),
+                  "yes" if p.bf16 else "no", "yes" if p.flash_attention else "no", f"{half:g}", ", ".join(p.aliases))
+    Console().print(t)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def models(as_json) -> None:
+    """List the bundled model catalog (works offline)."""
+    from .catalog import list_models
+
+    entries = list_models()
+    if as_json:
+        _emit_json({"models": [{"name": e.name, "hf_id": e.hf_id, "aliases": e.aliases,
+                                "model_type": e.spec.model_type, "head": e.spec.head,
+                                "params_total": e.spec.params_total} for e in entries]})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "hub id", "type", "default head", "parameters")
+    for e in entries:
+        t.add_row(e.name, e.hf_id or "", e.spec.model_type, e.spec.head, f"{e.spec.params_total:,}")
+    Console().print(t)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click in non-standalone mode so every user error becomes one line and exit 2."""
+    try:
+        rv = cli.main(args=argv, prog_name="memplan", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except UserError as e:
+        click.echo(f"memplan: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("memplan: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"memplan: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except BrokenPipeError:
+        sys.exit(0)

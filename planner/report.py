@@ -1,0 +1,103 @@
+"""Terminal rendering (rich): the breakdown with proportional bars, the meters, the plan table."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .estimator import MemoryBreakdown
+from .search import Suggestion
+
+GIB = 1 << 30
+MIB = 1 << 20
+BAR = 30
+
+
+def console() -> Console:
+    """A console that does not squeeze tables to 80 columns when the output is a pipe or a file."""
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if abs(n) >= GIB else f"{n / MIB:,.0f} MiB"
+
+
+def _bar(n: int, of: int) -> str:
+    filled = 0 if of <= 0 else round(BAR * max(n, 0) / of)
+    return "█" * filled + "·" * (BAR - filled)
+
+
+def _workload_line(e: MemoryBreakdown) -> str:
+    w = e.workload
+    if w.task == "infer":
+        gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
+        return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
+    return (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
+            f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}")
+
+
+def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
+    c = console or globals()['console']()
+    c.print(f"[bold]{e.model.name}[/] ({e.model.params_total:,} params, {e.model.params_trainable:,} trainable) "
+            f"on [bold]{e.gpu}[/]")
+    c.print(_workload_line(e))
+    t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    t.add_column("category")
+    t.add_column("bytes", justify="right")
+    t.add_column(f"share of {gib(e.capacity_bytes)}")
+    for k, v in e.breakdown.items():
+        if v:
+            t.add_row(k, gib(v), _bar(v, e.capacity_bytes))
+    c.print(t)
+    m = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    m.add_column("meter")
+    m.add_column("predicted", justify="right")
+    m.add_column("what reads it")
+    m.add_row("peak allocated", gib(e.peak_allocated_bytes), "torch.cuda.max_memory_allocated()")
+    m.add_row("peak reserved", gib(e.peak_reserved_bytes), "torch.cuda.max_memory_reserved()")
+    m.add_row("device used", gib(e.device_used_bytes), "NVML / nvidia-smi")
+    c.print(m)
+    verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
+    c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
+            f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
+    for n in e.notes:
+        c.print(f"note: {n}")
+
+
+def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
+    c = console or globals()['console']()
+    c.print(f"[bold]{s.model}[/] on [bold]{s.gpu}[/], {s.task}: seq {s.seq_len}, global batch {s.global_batch}")
+    if s.defaults:
+        c.print("defaults: " + "; ".join(s.defaults))
+    c.print(f"searched {s.candidates} candidates: " + "; ".join(f"{k} {'/'.join(v)}" for k, v in s.searched.items()))
+    if not s.plans:
+        for n in s.notes:
+            c.print(f"[red]{n}[/]")
+    else:
+        train = s.task == "train"
+        cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
+        t = Table(show_header=True, header_style="bold")
+        for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
+            t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn") else "right")
+        for i, p in enumerate(s.plans, 1):
+            e = p.estimate
+            knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
+                     else (str(p.micro_batch), p.precision, p.attn))
+            t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
+                      f"{p.tokens_per_s:,.0f}")
+        c.print(t)
+        best = s.plans[0]
+        if not train:
+            c.print(f"best: batch {best.micro_batch}, {best.precision}, attn {best.attn}; predicted peak "
+                    f"{gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)}")
+        else:
+            c.print(f"best: micro batch {best.micro_batch} x accumulation {best.grad_accum} = {best.global_batch}, "
+                    f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}; predicted "
+                    f"peak {gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)} "
+                    f"(at {best.estimate.peak_phase})")
+    for a in s.alternatives:
+        c.print(f"also fits: {a.change}: {a.gain}")
+    for n in s.notes if s.plans else ():
+        c.print(f"note: {n}")

@@ -1,0 +1,196 @@
+"""Byte rules: one table per kind of state, each row with its source. Pure data, no torch.
+
+docs/byte-rules.md explains every row; the estimator only looks rules up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- precision ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one training/inference precision stores parameters, gradients and activations.
+
+    param/grad: bytes per element of the model's parameters and their .grad.
+    act: bytes of a matmul output (linear layers, attention scores) in the forward.
+    residual: bytes of the residual stream and norm outputs. Under torch.autocast, layer_norm and
+      softmax run in fp32 and a residual add of a half and an fp32 tensor promotes to fp32
+      (PyTorch "CUDA Ops that can autocast to float32" and type promotion), so the stream stays fp32.
+    autocast: weights are fp32 and autocast makes half copies that it caches for the forward; the
+      copies are saved by the matmuls for backward, so they live until each layer's backward.
+    half: the half dtype used for compute ("fp16"/"bf16") or None.
+    """
+
+    name: str
+    param: float
+    grad: float
+    act: int
+    residual: int
+    autocast: bool
+    half: str | None
+    source: str
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", 4, 4, 4, 4, False, None, "torch default dtype float32"),
+        Precision("fp16", 4, 4, 2, 4, True, "fp16",
+                  "HF Trainer fp16=True: torch.autocast(float16) over an fp32 model + GradScaler"),
+        Precision("bf16", 4, 4, 2, 4, True, "bf16", "HF Trainer bf16=True: torch.autocast(bfloat16), fp32 model"),
+        Precision("bf16-pure", 2, 2, 2, 2, False, "bf16", "model.to(torch.bfloat16): weights, grads, states in bf16"),
+        Precision("fp16-pure", 2, 2, 2, 2, False, "fp16", "model.half(): inference only (fp16 training diverges)"),
+    )
+}
+TRAIN_PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Inference weight storage: bytes per element of quantised linear weights and what else stays half."""
+
+    name: str
+    linear: float  # bytes/param of linear-layer weights (attention, MLP, experts)
+    other: float  # bytes/param of everything else (embeddings, norms, lm_head, biases)
+    compute: str  # dtype of activations
+    source: str
+
+
+# bitsandbytes LLM.int8: int8 weight + one fp32 scale per output row (SCB) ~ 1 B/param.
+# bitsandbytes NF4 (BitsAndBytesConfig default, no double quant): 4 bit + one fp32 absmax per block of
+# 64 -> 0.5 + 4/64 B/param. transformers keeps lm_head/embeddings/norms unquantised (get_keys_to_not_convert).
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    w.name: w
+    for w in (
+        WeightFormat("fp32", 4, 4, "fp32", "float32 weights"),
+        WeightFormat("fp16", 4, 4, "fp16", "fp32 weights under autocast: 4 + 2 (cached half copy) = 6 B/param, "
+                     "the HF docs' mixed-precision inference rule"),
+        WeightFormat("bf16", 4, 4, "bf16", "as fp16, with bfloat16 copies"),
+        WeightFormat("fp16-pure", 2, 2, "fp16", "torch_dtype=float16"),
+        WeightFormat("bf16-pure", 2, 2, "bf16", "torch_dtype=bfloat16"),
+        WeightFormat("int8", 1.0, 2, "fp16", "bitsandbytes LLM.int8 (load_in_8bit): int8 + fp32 row scale"),
+        WeightFormat("int4", 0.5 + 4 / 64, 2, "fp16", "bitsandbytes NF4 (load_in_4bit), blocksize 64, fp32 absmax"),
+    )
+}
+INFER_PRECISIONS = tuple(WEIGHT_FORMATS)
+
+# -- optimizers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimRule:
+    """Optimizer state per parameter.
+
+    states: number of full-size state tensors per parameter, stored in the parameter's dtype (torch
+      creates them with zeros_like(param)); for 8-bit optimizers, the count of 1-byte states.
+    quantized: 8-bit states (bitsandbytes, blockwise 256 with one fp32 absmax per block) for tensors
+      with >= min_8bit_size elements; smaller tensors keep 32-bit states.
+    factored: Adafactor's second moment is rows + cols per matrix (full for vectors).
+    foreach_temp: full-size temporaries during step() (torch's _multi_tensor_adam: exp_avg_sq.sqrt()
+      for the whole group at once), in units of the parameter bytes.
+    per_tensor_temp: temporaries of the largest single tensor during step() (per-parameter loops).
+    """
+
+    name: str
+    states: int
+    quantized: bool = False
+    factored: bool = False
+    foreach_temp: float = 0.0
+    per_tensor_temp: float = 0.0
+    paged: bool = False
+    momentum_arg: bool = False  # one extra state when optim args set momentum > 0 (SGD, RMSprop)
+    source: str = ""
+
+
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer8bit(min_8bit_size=4096)
+BNB_BLOCK = 256  # bitsandbytes blockwise 8-bit optimizer states: one fp32 absmax per 256 values
+
+OPTIMIZERS: dict[str, OptimRule] = {
+    o.name: o
+    for o in (
+        OptimRule("adamw_torch", 2, foreach_temp=1.0,
+                  source="torch.optim.AdamW, foreach=True on CUDA: exp_avg + exp_avg_sq; _foreach_sqrt temp"),
+        OptimRule("adamw_torch_fused", 2, source="torch.optim.AdamW(fused=True): one kernel, no temporaries"),
+        OptimRule("adamw_bnb_8bit", 2, quantized=True, source="bitsandbytes AdamW8bit, blockwise"),
+        OptimRule("adamw_8bit", 2, quantized=True, source="alias of adamw_bnb_8bit in transformers"),
+        OptimRule("paged_adamw_8bit", 2, quantized=True, paged=True, source="bitsandbytes PagedAdamW8bit"),
+        OptimRule("paged_adamw_32bit", 2, paged=True, source="bitsandbytes PagedAdamW32bit"),
+        OptimRule("adafactor", 1, factored=True, per_tensor_temp=3.0,
+                  source="transformers.optimization.Adafactor, beta1=None: exp_avg_sq_row + _col; "
+                         "update = grad**2 + eps and the row x col approximation are full-size"),
+        OptimRule("sgd", 0, momentum_arg=True, source="torch.optim.SGD: momentum_buffer only if momentum > 0"),
+        OptimRule("adagrad", 1, source="torch.optim.Adagrad: state_sum"),
+        OptimRule("rmsprop", 1, momentum_arg=True, source="torch.optim.RMSprop: square_avg (+ momentum_buffer)"),
+        OptimRule("lion_32bit", 1, source="bitsandbytes Lion: exp_avg only"),
+        OptimRule("lion_8bit", 1, quantized=True, source="bitsandbytes Lion8bit"),
+        OptimRule("paged_lion_32bit", 1, paged=True, source="bitsandbytes PagedLion"),
+        OptimRule("paged_lion_8bit", 1, quantized=True, paged=True, source="bitsandbytes PagedLion8bit"),
+    )
+}
+# The Trainer default since transformers 4.55 with torch >= 2.8 is adamw_torch_fused
+# (transformers/training_args.py: default_optim).
+OPTIM_ALIASES = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused", "adamw_fused": "adamw_torch_fused"}
+
+
+def optimizer_state_bytes(rule: OptimRule, shape: tuple[int, ...], param_bytes: float, momentum: bool) -> float:
+    """Bytes of optimizer state for one parameter tensor of `shape`."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    states = rule.states + (1 if rule.momentum_arg and momentum else 0)
+    if rule.factored:
+        if len(shape) >= 2:
+            rows = numel // shape[-1]
+            cols = numel // shape[-2]
+            return (rows + cols) * param_bytes
+        return numel * param_bytes
+    if rule.quantized and numel >= BNB_MIN_8BIT_SIZE:
+        # 1 byte per value per state + one fp32 absmax per block of 256, per state.
+        blocks = -(-numel // BNB_BLOCK)
+        return states * (numel + 4 * blocks)
+    if rule.quantized:
+        return states * numel * 4  # bitsandbytes keeps small tensors in 32 bit
+    return states * numel * param_bytes
+
+
+# -- activation functions -------------------------------------------------------------------------
+# Full-size tensors (in units of the MLP intermediate, in the compute dtype) that the activation
+# function saves for backward, beyond its own output (which the next linear saves).
+# gelu / silu / relu in ATen save one tensor (input or result); transformers' NewGELUActivation
+# ("gelu_new", GPT-2) is written in Python: 0.5*x*(1+tanh(c*(x+0.044715*x**3))) saves x, x**3 input,
+# the tanh output and the (1+tanh) factor.
+ACTIVATION_SAVES: dict[str, int] = {
+    "gelu": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 3, "quick_gelu": 2, "relu": 1, "silu": 1, "swish": 1,
+    "gelu_new": 4, "gelu_python": 3,
+}
+
+# -- CUDA caching allocator -----------------------------------------------------------------------
+# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize 512 (every block rounded up to 512 B),
+# kSmallSize 1 MiB (requests <= 1 MiB come from the small pool), kSmallBuffer 2 MiB (small-pool
+# segments), kMinLargeAlloc 10 MiB (1-10 MiB requests get a 20 MiB segment, kLargeBuffer),
+# kRoundLarge 2 MiB (larger requests are rounded to 2 MiB).
+ALLOC_MIN_BLOCK = 512
+ALLOC_SMALL_SIZE = 1 << 20
+ALLOC_SMALL_BUFFER = 2 << 20
+ALLOC_LARGE_BUFFER = 20 << 20
+ALLOC_MIN_LARGE_ALLOC = 10 << 20
+ALLOC_ROUND_LARGE = 2 << 20
+
+
+def round_block(nbytes: float) -> int:
+    """Bytes the allocator charges to memory_allocated for one tensor."""
+    n = int(nbytes)
+    return -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK if n > 0 else 0
+
+
+def round_segment(nbytes: float) -> int:
+    """Bytes of cudaMalloc'd segment a lone tensor of this size reserves when no cached block fits."""
+    n = round_block(nbytes)
+    if n <= ALLOC_SMALL_SIZE:
+        return ALLOC_SMALL_BUFFER
+    if n < ALLOC_MIN_LARGE_ALLOC:
+        return ALLOC_LARGE_BUFFER
+    return -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE

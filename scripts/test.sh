@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install memplan with its test extras and run the suite (the README's test command; .ci/run calls it).
+# torch is installed first, pinned: an open range would pull the multi-GB CUDA wheels, which the
+# tests do not need (they run on the CPU; CUDA tests are marked and skip without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pytest -q "$@"

@@ -1,0 +1,176 @@
+"""The bundled catalog: stored specs equal a fresh meta-device build, anchors, and `--model` resolution."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memplan import catalog
+from memplan.catalog import get_entry, list_models, resolve_model
+from memplan.errors import UserError
+
+ENTRIES = list_models()
+
+
+# -- (a) every stored spec is what the real model on the meta device gives ---------------------------------
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_stored_spec_matches_meta_model(entry):
+    from memplan.hf import meta_param_count, spec_from_config
+
+    before = json.dumps(entry.config, sort_keys=True)
+    assert meta_param_count(entry.config, entry.spec.head) == entry.spec.params_total
+    fresh = spec_from_config(entry.config, entry.name, hf_id=entry.hf_id)
+    assert json.dumps(entry.config, sort_keys=True) == before, "building must not mutate the stored config"
+    assert fresh == entry.spec, "catalog.json is stale: run scripts/build_catalog.py"
+    assert "other" not in entry.spec.params_by_category(), "a parameter escaped CATEGORY_RULES"
+
+
+# -- (b) anchors from outside the code --------------------------------------------------------------------
+def test_anchor_param_counts():
+    bert = resolve_model("bert-large")
+    assert (bert.head, bert.num_labels, bert.params_total) == ("sequence-classification", 2, 335_143_938)
+    llama = resolve_model("llama-3.1-405b")
+    assert (llama.head, llama.params_total) == ("causal-lm", 405_853_388_800)
+
+
+def test_catalog_is_complete_and_names_unique():
+    names = [n.lower() for e in ENTRIES for n in e.names]
+    assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
+    assert len(ENTRIES) == 36
+    assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
+
+
+# -- (c) name resolution ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("bert-base", "bert-base"),
+        ("bert-large", "bert-large"),
+        ("distilbert-base", "distilbert-base"),
+        ("bert-large-uncased", "bert-large"),  # legacy un-namespaced hub id
+        ("google-bert/bert-large-uncased", "bert-large"),  # hub id
+        ("meta-llama/Meta-Llama-3.1-8B", "llama-3.1-8b"),  # legacy repo name
+        ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+        ("t5-small", "t5-small"),
+        ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
+        ("BERT-Large", "bert-large"),  # any case
+        ("META-LLAMA/LLAMA-2-7B-HF", "llama-2-7b"),
+        ("  gpt2  ", "gpt2"),
+    ],
+)
+def test_resolve_names(name, expected):
+    spec = resolve_model(name)
+    assert spec.name == expected
+    assert spec is get_entry(expected).spec  # the stored table, not a rebuild
+
+
+def test_every_name_resolves_to_its_entry():
+    for e in ENTRIES:
+        for n in e.names:
+            assert resolve_model(n) is e.spec, n
+
+
+def test_did_you_mean():
+    with pytest.raises(UserError, match=r"unknown model 'bert-lage'; did you mean: bert-large\b") as ei:
+        resolve_model("bert-lage")
+    assert "bert-base" in str(ei.value) and "\n" not in str(ei.value)
+    with pytest.raises(UserError, match="memplan models"):
+        resolve_model("zzzzzz")
+
+
+def test_other_head_is_rebuilt():
+    spec = resolve_model("bert-large", head="base")
+    assert (spec.name, spec.head, spec.params_total) == ("bert-large", "base", 335_141_888)  # no classifier
+    assert resolve_model("bert-large", head="sequence-classification") is get_entry("bert-large").spec
+
+
+def test_local_config_file_and_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(get_entry("gpt2").config))
+    for arg in (str(tmp_path), str(tmp_path / "config.json")):
+        spec = resolve_model(arg)
+        assert spec.params_total == 124_439_808 and spec.name == tmp_path.name and spec.hf_id is None
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{not json", "not valid JSON"), ('{"hidden_size": 8}', "no 'model_type'"), ("[1, 2]", "no 'model_type'")],
+)
+def test_bad_local_config(tmp_path, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(UserError, match=message):
+        resolve_model(str(bad))
+
+
+def test_missing_local_paths(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        resolve_model(str(tmp_path / "missing.json"))
+    with pytest.raises(UserError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(UserError, match="empty model name"):
+        resolve_model("")
+
+
+def test_unreachable_hub_id(monkeypatch):
+    import huggingface_hub.constants
+
+    # Never touch the network: the env var for any child process, the constant for this one (read at import).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as ei:
+        resolve_model("no-such-org/no-such-model-3f9a")
+    msg = str(ei.value)
+    assert msg.startswith("cannot resolve model 'no-such-org/no-such-model-3f9a': not in the catalog")
+    assert "\n" not in msg
+
+
+def test_hub_id_through_transformers(monkeypatch):
+    """A reachable/cached hub id goes AutoConfig -> spec_from_config (AutoConfig faked: no network)."""
+    import transformers
+
+    from memplan.hf import load_config
+
+    cfg = load_config(get_entry("gpt2").config)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, **kw: cfg)
+    spec = resolve_model("someone/gpt2-copy")
+    assert (spec.name, spec.hf_id, spec.params_total) == ("someone/gpt2-copy", "someone/gpt2-copy", 124_439_808)
+
+
+# -- (d) the catalog path imports no torch -----------------------------------------------------------------
+def test_catalog_lookup_does_not_import_torch():
+    code = (
+        "import sys, memplan.catalog as c; c.resolve_model('bert-large'); c.list_models(); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- (e) category split ----------------------------------------------------------------------------------
+def test_tied_embeddings_counted_once():
+    spec = resolve_model("llama-3.2-1b")
+    by = spec.params_by_category()
+    assert spec.tie_embeddings and spec.head == "causal-lm"
+    assert "head" not in by  # lm_head.weight is embed_tokens.weight: one tensor, listed once
+    assert [g.shape for g in spec.params if g.category == "embeddings"] == [(128256, 2048)]
+    assert spec.params_total == 1_235_814_400
+
+
+def test_untied_head_and_moe_split():
+    llama = resolve_model("llama-3.1-8b").params_by_category()
+    assert llama["head"] == llama["embeddings"] == 128256 * 4096
+    mixtral = resolve_model("mixtral-8x7b")
+    by = mixtral.params_by_category()
+    assert by["router"] == 32 * 8 * 4096  # one (experts x hidden) gate per layer
+    assert by["experts"] == 32 * 8 * 3 * 4096 * 14336
+    assert mixtral.is_moe and (mixtral.num_experts, mixtral.experts_per_token) == (8, 2)
+
+
+def test_raw_json_read_once():
+    catalog._raw.cache_clear()
+    catalog._entry.cache_clear()
+    resolve_model("gpt2")
+    resolve_model("t5-base")
+    assert catalog._raw.cache_info().misses == 1

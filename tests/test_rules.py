@@ -1,0 +1,112 @@
+"""Every byte rule, checked against the number its source gives."""
+
+import pytest
+
+from memplan.modelspec import ModelSpec, ParamGroup
+from memplan.rules import (
+    BNB_BLOCK, OPTIMIZERS, PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
+)
+from memplan import estimator
+from memplan.workload import Workload
+
+MiB = 1 << 20
+
+
+def state(optim, shape, param_bytes=4, momentum=False):
+    return optimizer_state_bytes(OPTIMIZERS[optim], shape, param_bytes, momentum)
+
+
+def test_precision_bytes_per_param():
+    assert (PRECISIONS["fp32"].param, PRECISIONS["fp32"].grad) == (4, 4)
+    # autocast keeps fp32 weights and grads; the half copy is the autocast cache
+    assert (PRECISIONS["fp16"].param, PRECISIONS["fp16"].grad, PRECISIONS["fp16"].autocast) == (4, 4, True)
+    assert (PRECISIONS["bf16-pure"].param, PRECISIONS["bf16-pure"].grad) == (2, 2)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_adamw_two_fp32_moments(optim):
+    assert state(optim, (1024, 1024)) == 8 * 1024 * 1024
+    assert state(optim, (1024,), param_bytes=2) == 4 * 1024  # states follow the param dtype
+
+
+def test_mixed_precision_adamw_is_18_bytes_per_param():
+    # HF docs: fp32 weights 4 + half copy 2 + fp32 grads 4 + AdamW 8 = 18 B/param
+    n = 1_000_000
+    p = PRECISIONS["fp16"]
+    assert p.param + 2 + p.grad + state("adamw_torch_fused", (n,)) / n == 18
+
+
+def test_bnb_8bit_threshold_and_blocks():
+    big = (4096, 4096)
+    n = 4096 * 4096
+    assert state("adamw_bnb_8bit", big) == 2 * (n + 4 * n // BNB_BLOCK)  # ~2 B/param + absmax
+    assert state("adamw_bnb_8bit", (4095,)) == 2 * 4095 * 4  # < 4096 elements stay 32-bit
+    assert state("adamw_bnb_8bit", (4096,)) == 2 * (4096 + 4 * 16)
+
+
+def test_sgd_momentum_and_plain():
+    assert state("sgd", (10, 10)) == 0
+    assert state("sgd", (10, 10), momentum=True) == 400
+
+
+def test_adafactor_factored_rows_plus_cols():
+    assert state("adafactor", (1024, 4096)) == (1024 + 4096) * 4
+    assert state("adafactor", (4096,)) == 4096 * 4  # vectors are not factored
+    assert state("adafactor", (8, 16, 32)) == (8 * 16 + 8 * 32) * 4
+
+
+def test_lion_one_state():
+    assert state("lion_32bit", (100, 100)) == 4 * 100 * 100
+
+
+def test_inference_weight_formats():
+    assert WEIGHT_FORMATS["fp16"].linear + 2 == 6  # HF docs: mixed-precision inference 6 B/param
+    assert WEIGHT_FORMATS["bf16-pure"].linear == 2
+    assert WEIGHT_FORMATS["int8"].linear == 1
+    assert WEIGHT_FORMATS["int4"].linear == pytest.approx(0.5625)
+
+
+def test_allocator_rounding():
+    assert round_block(1) == 512 and round_block(512) == 512 and round_block(513) == 1024
+    assert round_segment(100) == 2 * MiB  # small pool segment
+    assert round_segment(4 * MiB) == 20 * MiB  # 1-10 MiB requests get a 20 MiB segment
+    assert round_segment(11 * MiB) == 12 * MiB  # large requests rounded to 2 MiB
+
+
+def _tiny_spec(**kw):
+    base = dict(name="tiny", model_type="llama", arch="decoder", head="causal-lm", num_layers=2, hidden_size=64,
+                num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128, vocab_size=1000, max_position=128,
+                mlp="gated", activation="silu", norm="rmsnorm", position="rotary",
+                params=(ParamGroup(category="embeddings", shape=(1000, 64)),
+                        ParamGroup(category="attention", shape=(64, 64), count=8),
+                        ParamGroup(category="mlp", shape=(128, 64), count=6),
+                        ParamGroup(category="norms", shape=(64,), count=5),
+                        ParamGroup(category="head", shape=(1000, 64))))
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def test_training_components_follow_the_rules(v100):
+    spec = _tiny_spec()
+    n = spec.params_total
+    w = Workload(micro_batch=1, seq_len=16, precision="fp16", optim="adamw_torch_fused", zero_grad="zeros")
+    e = estimator.estimate(spec, v100, w)
+    b = e.breakdown
+    assert b["weights"] == pytest.approx(4 * n, rel=0.01)
+    assert b["optimizer_states"] == pytest.approx(8 * n, rel=0.01)
+    assert b["gradients"] == pytest.approx(4 * n, rel=0.01)  # zeros: grads persist through forward
+
+
+def test_foreach_adamw_temporaries(v100):
+    spec = _tiny_spec()
+    w = Workload(micro_batch=1, seq_len=8, precision="fp32", optim="adamw_torch")
+    e = estimator.estimate(spec, v100, w)
+    assert e.phases["optimizer-step"] >= 20 * spec.params_total * 0.99  # 4 + 4 + 8 + 4 (sqrt temp)
+    fused = estimator.estimate(spec, v100, w.model_copy(update={"optim": "adamw_torch_fused"}))
+    assert fused.phases["optimizer-step"] < e.phases["optimizer-step"]
+
+
+def test_kv_cache_formula():
+    spec = _tiny_spec(num_kv_heads=2)
+    # 2 * layers * seqs * len * kv_heads * head_dim * bytes
+    assert estimator.kv_cache_bytes(spec, 3, 100, 2) == 2 * 2 * 3 * 100 * 2 * 16 * 2

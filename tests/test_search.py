@@ -1,0 +1,52 @@
+"""suggest: every plan fits and honours the global batch; defaults are said; knobs stay closed by default."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import memplan
+from memplan.errors import UserError
+
+
+def test_bert_large_v100_plan_fits_without_bf16():
+    s = memplan.suggest("bert-large", "v100-16g")
+    assert s.plans, s.notes
+    for p in s.plans:
+        assert p.estimate.fits and p.estimate.device_used_bytes <= p.estimate.capacity_bytes
+        assert "bf16" not in p.precision
+        assert p.optim == "adamw_torch_fused"  # the optimizer is not changed unless allowed
+        assert p.micro_batch * p.grad_accum * p.dp == p.global_batch == 32
+    assert any("seq-len 512" in d for d in s.defaults) and any("global batch 32" in d for d in s.defaults)
+    speeds = [p.samples_per_s for p in s.plans]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_other_optimizers_only_reported_unless_allowed():
+    closed = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024)
+    assert {p.optim for p in closed.plans} <= {"adamw_torch_fused"}
+    opened = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024, optim="any", top=50)
+    assert len({p.optim for p in opened.plans}) > 1
+
+
+def test_nothing_fits_says_so():
+    s = memplan.suggest("llama-2-70b", "t4-16g", seq_len=4096)
+    assert not s.plans and s.notes
+
+
+def test_bad_choices_are_user_errors():
+    with pytest.raises(UserError):
+        memplan.suggest("gpt2", "a100-80g", precision="fp8")
+    with pytest.raises(UserError):
+        memplan.suggest("gpt2", "a100-80g", seq_len=4096)  # gpt2 has 1024 learned positions
+
+
+@settings(max_examples=25, deadline=None)
+@given(model=st.sampled_from(["bert-base", "gpt2", "opt-350m", "llama-3.2-1b", "t5-small", "vit-base"]),
+       gpu=st.sampled_from(["t4-16g", "a10g-24g", "a100-40g", "h100-80g"]),
+       batch=st.sampled_from([8, 12, 32, 64]),
+       seq=st.sampled_from([128, 256, 512]))
+def test_every_plan_fits_and_honours_global_batch(model, gpu, batch, seq):
+    s = memplan.suggest(model, gpu, global_batch=batch, seq_len=seq, top=20)
+    for p in s.plans:
+        assert p.estimate.fits
+        assert p.micro_batch * p.grad_accum * p.dp == batch
+    assert [p.samples_per_s for p in s.plans] == sorted((p.samples_per_s for p in s.plans), reverse=True)
