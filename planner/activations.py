@@ -105,6 +105,10 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
         out += [Tensors("q", p * a * d * Tq), Tensors("k, v", p * k * d * Tkv, 2),
                 Tensors("attention output", p * a * d * Tq), Tensors("logsumexp", 4 * b * a * s_q),
                 Tensors("context (o_proj input)", p * a * d * Tq)]
+        if spec.position == "relative":
+            # T5 under SDPA passes position bias + mask as a float attn_bias, which the
+            # memory-efficient kernel saves for backward (transformers create_position_bias_mask)
+            out.append(Tensors("position bias attn_bias", 4 * b * a * s_q * s_kv))
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq))
     return out

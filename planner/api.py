@@ -45,7 +45,10 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     work: the Workload fields (task, micro_batch, seq_len, grad_accum, precision, optim, grad_ckpt,
     attn, max_new_tokens, beams, momentum, zero_grad, headroom).
     """
-    return estimator.estimate(_spec(model, head, trust_remote_code), _gpu(gpu), workload(**work))
+    spec = _spec(model, head, trust_remote_code)
+    if work.get("attn") is None:  # sdpa, transformers' default, where the model has it
+        work["attn"] = "sdpa" if "sdpa" in estimator.supported_attn(spec) else "eager"
+    return estimator.estimate(spec, _gpu(gpu), workload(**work))
 
 
 def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,

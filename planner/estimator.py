@@ -93,6 +93,21 @@ def _rounded_tensors(ts: list[Tensors]) -> int:
     return sum(round_block(t.nbytes) * t.count for t in ts)
 
 
+# Attention implementations transformers offers per model_type (`_supports_sdpa` / `_supports_flash_attn`
+# in transformers 5 modelling files); eager exists everywhere.
+ATTN_UNSUPPORTED = {"t5": ("flash",), "gemma2": ("sdpa",)}
+
+
+def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
+    return tuple(a for a in ("flash", "sdpa", "eager") if a not in ATTN_UNSUPPORTED.get(spec.model_type, ()))
+
+
+def check_support(spec: ModelSpec, w: Workload) -> None:
+    if w.attn not in supported_attn(spec):
+        raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
+                        f"(choose from {', '.join(supported_attn(spec))})")
+
+
 def check_hardware(gpu: GPUProfile, w: Workload) -> None:
     """Refuse what the hardware cannot do, with the reason."""
     if "bf16" in w.precision and not gpu.bf16:
@@ -107,6 +122,7 @@ def check_hardware(gpu: GPUProfile, w: Workload) -> None:
 
 def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
     check_hardware(gpu, w)
+    check_support(spec, w)
     if w.task == "infer":
         parts, phases, peak_phase, act_ts, notes, per_layer = _inference(spec, w)
     else:
@@ -151,6 +167,8 @@ def _persistent_tensors(spec: ModelSpec, w: Workload) -> list[tuple[float, int]]
     rule = OPTIMIZERS[w.optim]
     for g in spec.params:
         out.append((g.numel * prec.param, g.count))
+        if prec.autocast and g.category in LINEAR_CATEGORIES:
+            out.append((g.numel * 2, g.count))  # the half copies autocast re-creates every step
         if g.trainable:
             out.append((g.numel * prec.grad, g.count))
             st = optimizer_state_bytes(rule, g.shape, prec.param, w.momentum > 0)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import throughput
 from .errors import UserError
-from .estimator import MemoryBreakdown, check_hardware, estimate
+from .estimator import MemoryBreakdown, check_hardware, estimate, supported_attn
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
@@ -173,8 +173,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     else:
         optims = ["adamw_torch_fused"]
     ckpts = _parse_choice(grad_ckpt, CKPTS, list(CKPTS) if task == "train" else ["none"], "checkpointing")
-    attns = _parse_choice(attn, ATTNS, [a for a in ATTNS if a != "flash" or gpu.flash_attention], "attention",
-                          lambda a: {"flash_attention_2": "flash"}.get(a, a))
+    attns = _parse_choice(attn, ATTNS, [a for a in supported_attn(spec) if a != "flash" or gpu.flash_attention],
+                          "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a))
 
     plans, n = _search(spec, gpu, task, seq, gb, precisions, optims, ckpts, attns, momentum, headroom, zero_grad)
     notes: list[str] = []

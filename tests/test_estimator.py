@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import memplan
+from memplan import estimator
 from memplan.errors import UserError
 
 MiB = 1 << 20
@@ -93,6 +94,8 @@ train_cfg = dict(
 def _est(model, precision, optim, attn, ckpt, b, s):
     if attn == "flash" and precision == "fp32":
         attn = "sdpa"
+    if attn not in estimator.supported_attn(memplan.resolve_model(model)):
+        attn = "eager"
     return memplan.estimate(model, "h100-80g", micro_batch=b, seq_len=s, precision=precision, optim=optim,
                             attn=attn, grad_ckpt=ckpt)
 
