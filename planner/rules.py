@@ -130,8 +130,8 @@ OPTIMIZERS: dict[str, OptimRule] = {
         OptimRule("paged_lion_8bit", 1, quantized=True, paged=True, source="bitsandbytes PagedLion8bit"),
     )
 }
-# The Trainer default with torch >= 2.8 is adamw_torch_fused (transformers 5.23
-# (transformers/training_args.py: default_optim).
+# The Trainer default with torch >= 2.8 is adamw_torch_fused (transformers 5.23,
+# transformers/training_args.py: default_optim).
 OPTIM_ALIASES = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused", "adamw_fused": "adamw_torch_fused"}
 
 
