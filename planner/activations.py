@@ -78,8 +78,7 @@ def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: st
     return [Tensors(name, prec.residual * width * T)]
 
 
-def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
-               cross: bool = False) -> list[Tensors]:
+def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str) -> list[Tensors]:
     """Saved by one attention block after its input projection: q, k, v, the core, the output input."""
     a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
     Tq, Tkv = b * s_q, b * s_kv
@@ -161,7 +160,7 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     out += _attention(spec, b, s, s, prec, attn)
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
-        out += _attention(spec, b, s, s_enc, prec, attn, cross=True)
+        out += _attention(spec, b, s, s_enc, prec, attn)
     if spec.is_moe:
         out += _moe(spec, T, prec)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from .activations import Tensors, inference_working_set, total, training_activations
+from .activations import Tensors, inference_working_set, training_activations
 from .errors import UserError
 from .modelspec import ModelSpec, ParamGroup
 from .profiles import GPUProfile

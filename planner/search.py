@@ -201,8 +201,11 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                 alternatives.append(Alternative(change=change, gain=gain, plan=p))
         alternatives = alternatives[:3]
     if not plans:
-        notes.append(f"nothing fits on one {gpu.name} with micro batch 1 (try --grad-ckpt full, a lower-memory "
-                     "--optim such as adamw_bnb_8bit, a shorter --seq-len, or more GPUs)")
+        tries = [t for t, searched in (("--grad-ckpt full", "full" in ckpts),
+                                        ("--optim any", len(optims) > 1 or task != "train"),
+                                        ("--precision any", len(precisions) > 1)) if not searched]
+        tries += ["a shorter --seq-len", "more GPUs"]
+        notes.append(f"nothing fits on one {gpu.name} with micro batch 1; try {', '.join(tries)}")
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, defaults=defaults,
                       searched={"precision": precisions, "optim": optims, "grad_ckpt": ckpts, "attn": attns,
                                 "micro_batch": [str(d) for d in _divisors(gb)]},
