@@ -50,6 +50,7 @@ class ActivationModel:
     other: list[Tensors]  # embeddings, final norm, head, loss
     layer_input: list[Tensors]  # what full checkpointing keeps per layer
     layer_backward: list[Tensors]  # extra live in one layer's backward (grad buffers)
+    layer_core: list[Tensors]  # the attention core of one layer: rebuilt in backward under selective
     loss_forward: list[Tensors]  # transient while the loss is computed (half + fp32 logits)
     loss_backward: list[Tensors]  # transient at the start of backward (loss gradient chain)
     infer_working: list[Tensors] = field(default_factory=list)  # one layer's no-grad working set
@@ -78,39 +79,50 @@ def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: st
     return [Tensors(name, prec.residual * width * T)]
 
 
-def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str) -> list[Tensors]:
-    """Saved by one attention block after its input projection: q, k, v, the core, the output input."""
+def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
+               selective: bool = False) -> list[Tensors]:
+    """Saved by one attention block after its input projection: q, k, v, the core, the output input.
+    Tensors named "core: ..." belong to the attention core (QK^T, softmax, dropout, PV), which selective
+    recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
+    q, k, v (k, v at kv heads) and its output stay."""
     a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
     Tq, Tkv = b * s_q, b * s_kv
-    out: list[Tensors] = []
+    out: list[Tensors] = [Tensors("q", p * a * d * Tq)]
+    if attn == "eager" and a != k:
+        # repeat_kv materialises k and v at `a` heads and the matmuls save those copies; the k, v at kv
+        # heads are saved only as the checkpointed core's inputs under selective recomputation.
+        out.append(Tensors("core: k, v expanded to all heads", p * a * d * Tkv, 2))
+        if selective:
+            out.append(Tensors("k, v", p * k * d * Tkv, 2))
+    else:
+        out.append(Tensors("k, v", p * k * d * Tkv, 2))
     if attn == "eager":
-        # repeat_kv materialises k and v at `a` heads; matmul saves the expanded copies.
-        kv_heads = a
-        out += [Tensors("q", p * a * d * Tq), Tensors("k, v", p * kv_heads * d * Tkv, 2)]
         scores = b * a * s_q * s_kv
         upcast = spec.model_type in SOFTMAX_FP32
         sm = 4 if (prec.autocast or upcast or p == 4) else p
-        out.append(Tensors("softmax output", sm * scores))
+        out.append(Tensors("core: softmax output", sm * scores))
         dropout = spec.attention_dropout > 0
         if dropout:
-            out.append(Tensors("attention dropout mask", 1 * scores))
+            out.append(Tensors("core: attention dropout mask", 1 * scores))
         if dropout or sm != p:
             # the PV matmul saves its own input: the dropout output or the cast back to p
-            out.append(Tensors("attention probs (matmul input)", p * scores))
-        out.append(Tensors("context (o_proj input)", p * a * d * Tq))
+            out.append(Tensors("core: attention probs (matmul input)", p * scores))
     else:
         # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
         # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
-        out += [Tensors("q", p * a * d * Tq), Tensors("k, v", p * k * d * Tkv, 2),
-                Tensors("attention output", p * a * d * Tq), Tensors("logsumexp", 4 * b * a * s_q),
-                Tensors("context (o_proj input)", p * a * d * Tq)]
+        out += [Tensors("core: attention output", p * a * d * Tq), Tensors("core: logsumexp", 4 * b * a * s_q)]
         if spec.position == "relative":
             # T5 under SDPA passes position bias + mask as a float attn_bias, which the
             # memory-efficient kernel saves for backward (transformers create_position_bias_mask)
             out.append(Tensors("position bias attn_bias", 4 * b * a * s_q * s_kv))
+    out.append(Tensors("context (o_proj input)", p * a * d * Tq))
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq))
-    return out
+    return [t for t in out if not is_core(t)] if selective else out
+
+
+def is_core(t: Tensors) -> bool:
+    return t.name.startswith("core: ")
 
 
 def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
@@ -149,7 +161,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
 
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
-           s_enc: int = 0) -> list[Tensors]:
+           s_enc: int = 0, selective: bool = False) -> list[Tensors]:
     h, T = spec.hidden_size, b * s
     n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
     out: list[Tensors] = []
@@ -157,10 +169,10 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _norm(spec, T, prec)
     n_qkv = QKV_LINEARS.get(spec.model_type, 3)
     out += _linear_inputs(n_qkv, h, T, prec, "qkv input")
-    out += _attention(spec, b, s, s, prec, attn)
+    out += _attention(spec, b, s, s, prec, attn, selective)
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
-        out += _attention(spec, b, s, s_enc, prec, attn)
+        out += _attention(spec, b, s, s_enc, prec, attn, selective)
     if spec.is_moe:
         out += _moe(spec, T, prec)
     else:
@@ -224,11 +236,14 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensor
     return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
 
 
-def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> ActivationModel:
+def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
+                         selective: bool = False) -> ActivationModel:
+    """selective: the layers keep everything but their attention core (Megatron selective recompute)."""
     if spec.arch == "vision":
         s = spec.seq_positions
-    layer = _layer(spec, b, s, prec, attn)
-    dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s) if spec.num_decoder_layers else []
+    full = _layer(spec, b, s, prec, attn)
+    layer = _layer(spec, b, s, prec, attn, selective=selective)
+    dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
     T = b * s
     return ActivationModel(
@@ -237,6 +252,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         other=_embeddings(spec, b, s, prec) + saved_head,
         layer_input=[Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T)],
         layer_backward=_layer_backward(spec, b, s, prec, attn),
+        layer_core=[t for t in full if is_core(t)],
         loss_forward=loss_fwd,
         loss_backward=loss_bwd,
     )

@@ -90,6 +90,26 @@ def resolve_model(name: str, head: str | None = None, trust_remote_code: bool = 
     raise UserError(f"unknown model {name!r}{_did_you_mean(name)}")
 
 
+def resolve_config(name: str, head: str | None = None, trust_remote_code: bool = False) -> tuple[Any, str | None]:
+    """The transformers config (dict or object) behind `--model NAME`, and the head to build: what
+    `memplan verify` instantiates. Same resolution order and errors as resolve_model."""
+    entry = get_entry(name)
+    if entry is not None:
+        return entry.config, head or entry.spec.head
+    path = Path(name).expanduser()
+    if path.exists():
+        return _read_local_config(path)[0], head
+    if "/" in name and not name.endswith(".json") and not name.startswith((".", "/", "~")):
+        try:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), head
+        except Exception:
+            resolve_model(name, head, trust_remote_code)  # raises the one-line error
+    resolve_model(name, head, trust_remote_code)
+    raise UserError(f"cannot resolve model {name!r}")
+
+
 def _did_you_mean(name: str) -> str:
     """'; did you mean: a, b?' over short names and aliases (reported as short names), or a pointer to the list."""
     models, index = _raw()

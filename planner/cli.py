@@ -3,6 +3,7 @@ one line on stderr."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -33,10 +34,10 @@ def _momentum(optim_args: str | None) -> float:
     return 0.0
 
 
-def common_options(f):
+def common_options(f, required: bool = True):
     for opt in reversed([
-        click.option("--model", "-m", required=True, help=MODEL_HELP),
-        click.option("--gpu", "-g", required=True, help=GPU_HELP),
+        click.option("--model", "-m", required=required, help=MODEL_HELP),
+        click.option("--gpu", "-g", required=required, help=GPU_HELP),
         click.option("--task", type=click.Choice(["train", "infer"]), default="train", show_default=True),
         click.option("--seq-len", type=int, help="tokens per sequence [default: model maximum, capped at 512 "
                      "(encoders) / 2048 (decoders)]"),
@@ -68,7 +69,7 @@ def cli() -> None:
 @click.option("--grad-accum", type=int, default=1, show_default=True)
 @click.option("--precision", help="train: fp32, fp16, bf16 (autocast), bf16-pure; infer: fp32, fp16, bf16 "
               "(autocast), fp16-pure, bf16-pure, int8, int4 [default: train fp32, infer best half]")
-@click.option("--grad-ckpt", type=click.Choice(["none", "full"]), default="none", show_default=True)
+@click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
 @click.option("--beams", type=int, default=1, show_default=True)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
@@ -113,6 +114,41 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
         from .report import print_suggestion
 
         print_suggestion(s)
+
+
+@cli.command()
+@functools.partial(common_options, required=False)
+@click.option("--micro-batch", "-b", type=int, help="sequences per GPU per step [default: 1]")
+@click.option("--grad-accum", type=int, help="[default: 1]")
+@click.option("--precision", help="fp32, fp16, bf16 (autocast), bf16-pure [default: fp32]")
+@click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), help="[default: none]")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan from `suggest --json` "
+              "(its first plan, or --plan-index); options given here override the plan's")
+@click.option("--plan-index", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
+              help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "
+              "auto: cuda when there is a GPU, else fake")
+@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps (at least 2: the first "
+              "creates the optimizer state)")
+def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, as_json,
+           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
+    """Run the planned training step (random weights, synthetic batches) and compare with the estimate.
+
+    Exit codes: 0 ran (see the verdicts), 2 bad input, 3 the real run ran out of GPU memory."""
+    from .verify import run
+
+    given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
+                 precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom)
+    if optim_args:
+        given["momentum"] = _momentum(optim_args)
+    report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,
+                 plan_index=plan_index, device=device, steps=steps, progress=True, **given)
+    if as_json:
+        _emit_json(report)
+    else:
+        from .report import print_verify
+
+        print_verify(report)
 
 
 @cli.command()

@@ -2,7 +2,8 @@
 the memory traffic of the saved activations and of the optimizer step (docs/cost-model.md).
 
 FLOPs: 6 * N per token for forward + backward of the dense parameters (Kaplan et al. 2020, "Scaling
-Laws", C = 6N), 2 * N more under full recompute (Korthikanti et al. 2022), plus attention's score and
+Laws", C = 6N), 2 * N more under full recompute and the attention core's forward again under selective
+recompute (Korthikanti et al. 2022), plus attention's score and
 context matmuls, 4 * s * a * d per layer per token forward (12 with backward), halved for causal
 masks in fused kernels that skip masked tiles. MoE counts only the K routed experts per token.
 """
@@ -49,13 +50,14 @@ def active_params(spec: ModelSpec) -> int:
     return dense + experts
 
 
-def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: bool) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step."""
+def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step. recompute: none,
+    selective (the attention core's forward again) or full (the whole forward again)."""
     n = active_params(spec)
     causal = spec.arch == "decoder" and attn != "eager"
     attn_fwd = 4 * seq * spec.num_heads * spec.head_dim * spec.total_layers * (0.5 if causal else 1.0)
     model = 6 * n + 3 * attn_fwd
-    hw = model + (2 * n + attn_fwd if recompute else 0)
+    hw = model + {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[recompute]
     return model, hw
 
 
@@ -71,7 +73,7 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
         fwd = 2 * active_params(spec) * tokens
         t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / bw
         return Throughput(t, w.micro_batch / t, tokens / t, fwd / (t * peak * 1e12))
-    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt == "full")
+    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
     micro = hw_f * tokens / (peak * 1e12 * eff) + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
     step = micro * w.grad_accum + OPTIMIZER_TRAFFIC * state_bytes / bw
     samples = w.micro_batch * w.grad_accum

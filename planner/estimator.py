@@ -228,7 +228,7 @@ def _training(spec: ModelSpec, w: Workload):
     if rule.paged:
         notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
 
-    am = training_activations(spec, w.micro_batch, w.seq_len, prec, w.attn)
+    am = training_activations(spec, w.micro_batch, w.seq_len, prec, w.attn, selective=w.grad_ckpt == "selective")
     layer_b = _rounded_tensors(am.layer)
     dec_b = _rounded_tensors(am.decoder_layer)
     other_b = _rounded_tensors(am.other)
@@ -239,7 +239,8 @@ def _training(spec: ModelSpec, w: Workload):
         recompute = max(layer_b, dec_b)  # one layer's activations, rebuilt during its backward
     else:
         acts = n_enc * layer_b + n_dec * dec_b + other_b
-        recompute = 0
+        # selective: one layer's attention core is rebuilt during that layer's backward
+        recompute = _rounded_tensors(am.layer_core) if w.grad_ckpt == "selective" else 0
 
     c_all, c_head = _autocast_copies(spec) if prec.autocast else (0, 0)
     n_layers = n_enc + n_dec
@@ -271,7 +272,7 @@ def _training(spec: ModelSpec, w: Workload):
         parts["activations"] = acts - (lsm if peak_phase == "backward-layer" else 0)
         parts["transient"] = {"forward-loss": loss_fwd, "backward-start": loss_bwd,
                               "backward-layer": recompute + layer_bwd}[peak_phase]
-        per = am.layer if w.grad_ckpt == "none" else am.layer_input
+        per = am.layer_input if w.grad_ckpt == "full" else am.layer
         act_ts = [Tensors(t.name, t.nbytes, t.count * (n_enc + n_dec)) for t in per] + am.other
         act_ts += {"forward-loss": am.loss_forward, "backward-start": am.loss_backward,
                    "backward-layer": am.layer_backward}[peak_phase]

@@ -100,6 +100,24 @@ def load_config(config: dict[str, Any] | Any, trust_remote_code: bool = False) -
         raise UserError(f"transformers does not know model_type {model_type!r}: {e}") from None
 
 
+def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """The transformers config and the head, checked: shared by the spec reader and the model builder."""
+    cfg = load_config(config, trust_remote_code)
+    mt = cfg.model_type
+    if mt not in ARCH:
+        supported = ", ".join(sorted(ARCH))
+        raise UserError(f"model_type {mt!r} has no activation model yet (supported: {supported})")
+    head = head or DEFAULT_HEAD[ARCH[mt][0]]
+    if head not in HEADS:
+        raise UserError(f"unknown head {head!r} (choose from {', '.join(HEADS)})")
+    if head in ("sequence-classification", "token-classification") and "num_labels" not in (
+        config if isinstance(config, dict) else {}
+    ):
+        if getattr(cfg, "num_labels", 2) == 2 and not getattr(cfg, "id2label", None):
+            cfg.num_labels = DEFAULT_NUM_LABELS
+    return cfg, head
+
+
 def spec_from_config(
     config: dict[str, Any] | Any,
     name: str,
@@ -111,20 +129,9 @@ def spec_from_config(
     import torch
     import transformers
 
-    cfg = load_config(config, trust_remote_code)
+    cfg, head = prepare_config(config, head, trust_remote_code)
     mt = cfg.model_type
-    if mt not in ARCH:
-        supported = ", ".join(sorted(ARCH))
-        raise UserError(f"model_type {mt!r} has no activation model yet (supported: {supported})")
     arch, mlp, norm, position = ARCH[mt]
-    head = head or DEFAULT_HEAD[arch]
-    if head not in HEADS:
-        raise UserError(f"unknown head {head!r} (choose from {', '.join(HEADS)})")
-    if head in ("sequence-classification", "token-classification") and "num_labels" not in (
-        config if isinstance(config, dict) else {}
-    ):
-        if getattr(cfg, "num_labels", 2) == 2 and not getattr(cfg, "id2label", None):
-            cfg.num_labels = DEFAULT_NUM_LABELS
     auto = getattr(transformers, HEADS[head])
     try:
         with torch.device("meta"):
@@ -208,3 +215,26 @@ def meta_param_count(config: dict[str, Any], head: str) -> int:
     with torch.device("meta"):
         model = getattr(transformers, HEADS[head]).from_config(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdpa", trust_remote_code: bool = False,
+                half_weights: bool = False):
+    """The transformers model of `head` for this config, with random weights in the current device / mode.
+
+    attn: transformers' attn_implementation ("eager" or "sdpa"; memplan's flash runs as sdpa with the
+    flash kernel forced, which keeps the same tensors as FlashAttention-2)."""
+    import transformers
+
+    cfg, head = prepare_config(config, head, trust_remote_code)
+    cfg = copy.deepcopy(cfg)
+    auto = getattr(transformers, HEADS[head])
+    impl = "eager" if attn == "eager" else "sdpa"
+    extra = {}
+    if _get(cfg, "num_local_experts", "num_experts") and not half_weights:
+        # transformers' default MoE path (torch._grouped_mm) takes bf16 weights only; fp32 weights
+        # (fp32 and autocast training) run the per-expert loop
+        extra["experts_implementation"] = "eager"
+    try:
+        return auto.from_config(cfg, attn_implementation=impl, trust_remote_code=trust_remote_code, **extra), head
+    except ValueError as e:
+        raise UserError(f"transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None

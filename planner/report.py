@@ -101,3 +101,28 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
         c.print(f"also fits: {a.change}: {a.gain}")
     for n in s.notes if s.plans else ():
         c.print(f"note: {n}")
+
+
+def print_verify(r) -> None:
+    """`memplan verify`: each meter predicted vs measured, then the breakdown at the traced peak."""
+    c = console()
+    c.print(f"[bold]{r.model}[/] on {r.gpu}: {_workload_line(r.estimate)}")
+    c.print(f"ran: [bold]{r.device}[/] ({r.device_note}), {r.steps} steps in {r.run_seconds:.1f} s")
+    colour = {"ok": "green", "close": "yellow", "off": "red"}
+    t = Table("meter", "predicted", "measured", "error", "verdict", "how measured")
+    for m in r.meters:
+        t.add_row(m.meter, gib(m.predicted_bytes), gib(m.measured_bytes), f"{m.error_pct:+.2f} %",
+                  f"[{colour[m.verdict]}]{m.verdict}[/]", m.how)
+    c.print(t)
+    if r.breakdown:
+        b = Table("category", "predicted", "measured", "difference", title=f"at the peak: {r.peak_phase} ({r.peak_op})")
+        for k, v in r.breakdown.items():
+            if v["predicted"] or v["measured"]:
+                b.add_row(k, gib(v["predicted"]), gib(v["measured"]), gib(v["predicted"] - v["measured"]))
+        c.print(b)
+    if r.tokens_per_s:
+        c.print(f"step time {r.step_time_s * 1000:.1f} ms, {r.tokens_per_s:,.0f} tokens/s ({r.device})")
+    if r.sdpa_kernels:
+        c.print("attention kernels (as CUDA would pick): " + ", ".join(f"{k} x{n}" for k, n in r.sdpa_kernels.items()))
+    for n in r.notes:
+        c.print(f"note: {n}")

@@ -21,7 +21,7 @@ from .workload import Workload, canonical_optim
 
 DEFAULT_GLOBAL_BATCH = 32
 ATTNS = ("flash", "sdpa", "eager")
-CKPTS = ("none", "full")
+CKPTS = ("none", "selective", "full")
 
 
 class Plan(BaseModel):

@@ -31,7 +31,8 @@ class Workload(BaseModel):
     precision: str = "fp32"
     optim: str = "adamw_torch_fused"
     momentum: float = Field(0.0, ge=0.0)  # SGD / RMSprop momentum from the optimizer arguments
-    grad_ckpt: Literal["none", "full"] = "none"
+    # selective: Megatron-style, recompute only the attention core (Korthikanti et al. 2022)
+    grad_ckpt: Literal["none", "selective", "full"] = "none"
     attn: Literal["eager", "sdpa", "flash"] = "sdpa"
     max_new_tokens: int = Field(0, ge=0)
     beams: int = Field(1, ge=1)

@@ -1,0 +1,124 @@
+"""Accuracy suite: memplan's analytic estimate against a measured training step, case by case.
+
+    python benchmarks/accuracy/run.py                  # all cases, fake tracer (runs anywhere)
+    python benchmarks/accuracy/run.py --fast           # the subset the test suite also runs
+    python benchmarks/accuracy/run.py --device cuda    # real runs, on a machine with a GPU
+
+The ground truth is `memplan.verify`: with --device fake, the full-size model under FakeTensorMode with
+CUDA semantics, every storage counted with the allocator's 512-byte rounding (two optimizer steps); with
+--device cuda, torch.cuda.max_memory_allocated / max_memory_reserved and NVML. The error is on peak
+allocated tensor bytes ((estimate - measured) / measured); the goal is median |error| <= 2 %, max <= 5 %.
+Writes results/accuracy[-DEVICE].json (every number) and results/accuracy[-DEVICE].md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+MiB = 2**20
+
+
+def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
+    from memplan import api
+    from memplan.catalog import resolve_config, resolve_model
+    from memplan.profiles import load_gpu
+    from memplan.verify import compare, run_cuda, run_traced
+
+    model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
+    gpu = load_gpu(gpu_name)
+    work = {k: case[k] for k in ("micro_batch", "seq_len", "precision", "attn", "optim", "grad_ckpt", "momentum")
+            if k in case}
+    w = api.workload(**work)
+    spec = resolve_model(model)
+    est = api.estimate(spec, gpu, **w.model_dump())
+    config, head = resolve_config(model)
+    t0 = time.perf_counter()
+    if device == "cuda":
+        run = run_cuda(config, head, w, steps)
+    else:
+        run = run_traced(config, head, w, gpu.compute_capability, device, steps)
+    rep = compare(est, device, run, w, steps, gpu.cuda_context_bytes, device)
+    gc.collect()
+    return {"case": case, "seconds": round(time.perf_counter() - t0, 2),
+            "meters": [m.model_dump() for m in rep.meters], "breakdown": rep.breakdown,
+            "peak_phase": {"measured": rep.peak_phase, "predicted": est.peak_phase}, "peak_op": rep.peak_op,
+            "sdpa_kernels": rep.sdpa_kernels}
+
+
+def label(case: dict) -> str:
+    m = Path(case["model"]).stem
+    return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
+            f"{case['optim']} ckpt={case['grad_ckpt']}")
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| case | predicted MiB | measured MiB | error % | peak (pred / meas) | largest category gap |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in results:
+        m = r["meters"][0]
+        gaps = {k: v["predicted"] - v["measured"] for k, v in r["breakdown"].items()}
+        k = max(gaps, key=lambda x: abs(gaps[x])) if gaps else ""
+        gap = f"{k} {gaps[k] / MiB:+.1f} MiB" if k else ""
+        lines.append(f"| {label(r['case'])} | {m['predicted_bytes'] / MiB:.1f} | {m['measured_bytes'] / MiB:.1f} | "
+                     f"{m['error_pct']:+.2f} | {r['peak_phase']['predicted']} / {r['peak_phase']['measured']} | {gap} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=str(HERE / "cases.json"))
+    ap.add_argument("--fast", action="store_true", help="only the cases marked fast")
+    ap.add_argument("--only", help="only cases whose label contains this text")
+    ap.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
+    ap.add_argument("--gpu", help="GPU profile [default: the cases file's]")
+    ap.add_argument("--out", help="output stem [default: results/accuracy or results/accuracy-DEVICE]")
+    args = ap.parse_args(argv)
+
+    spec = json.loads(Path(args.cases).read_text())
+    cases = [c for c in spec["cases"] if (not args.fast or c.get("fast")) and (not args.only or args.only in label(c))]
+    gpu = args.gpu or spec["gpu"]
+    results = []
+    for c in cases:
+        r = run_case(c, gpu, spec["steps"], args.device)
+        results.append(r)
+        m = r["meters"][0]
+        print(f"{label(c):70s} {m['error_pct']:+6.2f} %  ({r['seconds']:.1f} s)", flush=True)
+    errs = [abs(r["meters"][0]["error_pct"]) for r in results]
+    summary = {"cases": len(results), "median_abs_error_pct": round(statistics.median(errs), 2),
+               "max_abs_error_pct": round(max(errs), 2), "goal": "median <= 2 %, max <= 5 % (peak allocated)"}
+    summary["meets_goal"] = summary["median_abs_error_pct"] <= 2 and summary["max_abs_error_pct"] <= 5
+    for i, meter in enumerate(("peak_allocated", "peak_reserved", "device_used")):
+        e = [abs(r["meters"][i]["error_pct"]) for r in results]
+        summary[meter] = {"median_abs_error_pct": round(statistics.median(e), 2), "max_abs_error_pct": round(max(e), 2)}
+    import torch
+    import transformers
+
+    doc = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+           "device": args.device, "gpu_profile": gpu,
+           "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "transformers": transformers.__version__},
+           "summary": summary, "results": results}
+    stem = Path(args.out) if args.out else HERE / "results" / ("accuracy" if args.device == "fake" else f"accuracy-{args.device}")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = [f"# Accuracy: estimate vs {args.device} ({gpu} profile)", "", f"`{doc['command']}`", "",
+          f"Peak allocated: median |error| {summary['median_abs_error_pct']} %, max {summary['max_abs_error_pct']} % "
+          f"over {len(results)} cases (goal: median <= 2 %, max <= 5 %).", "",
+          f"Reserved (allocator simulation): median {summary['peak_reserved']['median_abs_error_pct']} %, "
+          f"max {summary['peak_reserved']['max_abs_error_pct']} %.", "", table(results), ""]
+    stem.with_suffix(".md").write_text("\n".join(md))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.allocator import (
+    MIN_BLOCK_SIZE,
+    SMALL_SIZE,
+    AllocatorStats,
+    CachingAllocator,
+    allocation_size,
+    reserved_for,
+    round_size,
+    simulate,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_round_size_and_allocation_size():
+    assert round_size(1) == 512
+    assert round_size(512) == 512
+    assert round_size(513) == 1024
+    assert allocation_size(512) == 2 * MiB
+    assert allocation_size(SMALL_SIZE) == 2 * MiB
+    assert allocation_size(SMALL_SIZE + 512) == 20 * MiB
+    assert allocation_size(10 * MiB - 512) == 20 * MiB
+    assert allocation_size(10 * MiB) == 10 * MiB
+    assert allocation_size(11 * MiB + 512) == 12 * MiB
+
+
+def test_small_alloc_reserves_2mib():
+    s = simulate([(0, KiB)])
+    assert (s.final_allocated, s.final_reserved, s.segments) == (KiB, 2 * MiB, 1)
+
+
+def test_one_mib_is_small_one_mib_plus_one_is_large():
+    assert simulate([(0, MiB)]).final_reserved == 2 * MiB
+    s = simulate([(0, MiB + 1)])
+    assert (s.final_allocated, s.final_reserved) == (MiB + 512, 20 * MiB)
+
+
+def test_small_pool_packs_2048_kib_blocks_per_segment():
+    a = CachingAllocator()
+    for k in range(2048):
+        a.malloc(k, 1000)  # rounds to 1 KiB
+    assert (a.reserved, a.allocated, len(a.layout())) == (2 * MiB, 2 * MiB, 1)
+    a.malloc(2048, 1)
+    assert (a.reserved, len(a.layout())) == (4 * MiB, 2)
+
+
+def test_3mib_allocs_share_a_20mib_segment():
+    a = CachingAllocator()
+    a.malloc(0, 3 * MiB)
+    assert (a.allocated, a.reserved) == (3 * MiB, 20 * MiB)
+    a.malloc(1, 3 * MiB)
+    assert (a.allocated, a.reserved) == (6 * MiB, 20 * MiB)
+    assert a.layout() == [[(3 * MiB, True), (3 * MiB, True), (14 * MiB, False)]]
+
+
+def test_pools_are_separate():
+    s = simulate([(0, 3 * MiB), (1, KiB)])
+    assert (s.final_reserved, s.segments) == (22 * MiB, 2)
+    s = simulate([(0, KiB), (0, -1), (1, 1536 * KiB)])  # free 2 MiB small block unused
+    assert (s.final_reserved, s.segments) == (22 * MiB, 2)
+
+
+def test_big_allocs_round_to_2mib():
+    s = simulate([(0, 12 * MiB)])
+    assert (s.final_allocated, s.final_reserved) == (12 * MiB, 12 * MiB)
+    # 11.5 MiB -> 12 MiB segment; the 0.5 MiB rest is not split off (<= 1 MiB),
+    # so the whole 12 MiB counts as allocated.
+    s = simulate([(0, 11 * MiB + 512 * KiB)])
+    assert (s.final_allocated, s.final_reserved) == (12 * MiB, 12 * MiB)
+
+
+def test_freed_block_is_reused_with_split():
+    a = CachingAllocator()
+    a.malloc(0, 12 * MiB)
+    a.free(0)
+    a.malloc(1, 5 * MiB)  # reuses the cached 12 MiB block, 7 MiB split off
+    assert (a.allocated, a.reserved) == (5 * MiB, 12 * MiB)
+    assert a.layout() == [[(5 * MiB, True), (7 * MiB, False)]]
+    a.malloc(2, 6 * MiB)  # 7 MiB block, rest 1 MiB is not > kSmallSize: no split
+    assert (a.allocated, a.reserved) == (12 * MiB, 12 * MiB)
+    assert a.layout() == [[(5 * MiB, True), (7 * MiB, True)]]
+
+
+@pytest.mark.parametrize("second,allocated,blocks", [
+    (16 * MiB, 20 * MiB, 2),  # rest exactly 1 MiB: not split (strict >)
+    (16 * MiB + 512 * KiB, 20 * MiB, 2),
+    (15 * MiB + 512 * KiB, 18 * MiB + 512 * KiB, 3),  # rest 1.5 MiB: split
+])
+def test_large_pool_split_threshold(second, allocated, blocks):
+    a = CachingAllocator()
+    a.malloc(0, 3 * MiB)
+    a.malloc(1, second)
+    assert (a.allocated, a.reserved) == (allocated, 20 * MiB)
+    assert len(a.layout()[0]) == blocks
+    a.free(1)
+    assert a.allocated == 3 * MiB
+
+
+def test_merge_of_neighbours_lets_a_larger_block_fit():
+    a = CachingAllocator()
+    a.malloc(0, 12 * MiB)
+    a.free(0)
+    for k in (1, 2, 3):
+        a.malloc(k, 4 * MiB)
+    assert a.layout() == [[(4 * MiB, True)] * 3]
+    a.free(1)
+    a.free(2)
+    assert a.layout() == [[(8 * MiB, False), (4 * MiB, True)]]
+    a.malloc(4, 8 * MiB)
+    assert (a.allocated, a.reserved, len(a.layout())) == (12 * MiB, 12 * MiB, 1)
+    a.free(3)
+    a.free(4)
+    assert a.layout() == [[(12 * MiB, False)]]
+
+
+def test_best_fit_prefers_smallest_then_lowest_address():
+    a = CachingAllocator()
+    for k, size in enumerate([12, 10, 14, 10]):
+        a.malloc(k, size * MiB)
+    for k in range(4):
+        a.free(k)
+    a.malloc(10, 8 * MiB)  # smallest fit is 10 MiB; the first 10 MiB segment wins
+    assert a.layout() == [
+        [(12 * MiB, False)], [(8 * MiB, True), (2 * MiB, False)],
+        [(14 * MiB, False)], [(10 * MiB, False)]]
+    a.malloc(11, 11 * MiB)  # 12 MiB block, rest 1 MiB: handed out whole
+    assert a.layout()[0] == [(12 * MiB, True)]
+    assert (a.allocated, a.reserved) == (20 * MiB, 46 * MiB)
+
+
+def test_zero_bytes_ignored_and_peak_index():
+    s = simulate([(0, 0), (1, 3 * MiB), (0, -1), (2, 18 * MiB), (1, -1), (3, 3 * MiB)])
+    assert s == AllocatorStats(
+        peak_allocated=21 * MiB, peak_reserved=38 * MiB, final_allocated=21 * MiB,
+        final_reserved=38 * MiB, segments=2, peak_index=3)
+    assert simulate([]).peak_index == -1
+    assert simulate([(0, 0)]).final_reserved == 0
+
+
+def test_bad_keys():
+    a = CachingAllocator()
+    a.malloc(0, 100)
+    with pytest.raises(ValueError):
+        a.malloc(0, 100)
+    with pytest.raises(KeyError):
+        a.free(1)
+    a.free(0)
+    a.malloc(0, 100)  # keys may be reused after free
+
+
+def test_reserved_for():
+    assert reserved_for([]) == 0
+    # the 12 MiB tensor fits into the 14 MiB left in the 20 MiB segment
+    assert reserved_for([KiB, 3 * MiB, 3 * MiB, 12 * MiB]) == 2 * MiB + 20 * MiB
+    assert reserved_for([KiB, 3 * MiB, 3 * MiB, 16 * MiB]) == 2 * MiB + 20 * MiB + 16 * MiB
+    # a 17.5 MiB request does not fit the 17 MiB left after 3 MiB: new 18 MiB segment
+    assert reserved_for([3 * MiB, 17 * MiB + 512 * KiB]) == 38 * MiB
+
+
+# -- property test ------------------------------------------------------------
+
+sizes = st.one_of(
+    st.integers(1, 4 * KiB),
+    st.integers(1, 2 * MiB),
+    st.integers(1, 48 * MiB),
+    st.sampled_from([MIN_BLOCK_SIZE, SMALL_SIZE, SMALL_SIZE + 1, 10 * MiB, 20 * MiB]),
+)
+ops = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 1 << 16)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(ops)
+def test_invariants(trace):
+    a = CachingAllocator()
+    live: dict[int, int] = {}  # key -> rounded request
+    events, next_key, last_growth = [], 0, -1
+    for is_alloc, nbytes, pick in trace:
+        before = a.reserved
+        if is_alloc or not live:
+            events.append((next_key, nbytes))
+            a.malloc(next_key, nbytes)
+            live[next_key] = round_size(nbytes)
+            next_key += 1
+        else:
+            key = sorted(live)[pick % len(live)]
+            events.append((key, -1))
+            a.free(key)
+            del live[key]
+        if a.reserved > before:
+            last_growth = len(events) - 1
+        assert a.reserved >= before  # segments are never released
+        assert a.reserved >= a.allocated
+        # Small-pool blocks are always exact; a large-pool block may carry an
+        # unsplit rest of at most kSmallSize.
+        requested = sum(live.values())
+        n_large = sum(1 for s in live.values() if s > SMALL_SIZE)
+        assert requested <= a.allocated <= requested + n_large * SMALL_SIZE
+        layout = a.layout()
+        assert sum(b for seg in layout for b, _ in seg) == a.reserved
+        assert sum(b for seg in layout for b, used in seg if used) == a.allocated
+        for seg in layout:  # no two adjacent free blocks survive a free
+            assert all(u1 or u2 for (_, u1), (_, u2) in zip(seg, seg[1:]))
+    assert a.peak_reserved == a.reserved and a.peak_index == last_growth
+    assert simulate(events) == a.stats()
+    reserved = a.reserved
+    for key in list(live):
+        a.free(key)
+    s = a.stats()
+    assert (s.final_allocated, s.final_reserved) == (0, reserved)
+    assert all(len(seg) == 1 and not seg[0][1] for seg in a.layout())

@@ -1,0 +1,107 @@
+"""`memplan verify` and its ground truth: the fake tracer agrees with a real CPU run and with the
+analytic estimate; bad inputs are one line and exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memplan import api  # noqa: E402
+from memplan.catalog import resolve_config, resolve_model  # noqa: E402
+from memplan.profiles import load_gpu  # noqa: E402
+from memplan.verify import compare, run, run_traced  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = json.loads((ROOT / "benchmarks/accuracy/cases.json").read_text())
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True)
+
+
+def test_fake_and_cpu_agree_and_match_the_estimate():
+    """The issue's must-show: bert-base b2 s128, cpu vs fake within 2 %, the estimate within 5 % of both."""
+    fake = run(model="bert-base", gpu=None, device="fake", steps=2, micro_batch=2, seq_len=128)
+    cpu = run(model="bert-base", gpu=None, device="cpu", steps=2, micro_batch=2, seq_len=128)
+    f, c = fake.meters[0].measured_bytes, cpu.meters[0].measured_bytes
+    assert abs(f - c) / c <= 0.02
+    assert abs(fake.meters[0].error_pct) <= 5 and abs(cpu.meters[0].error_pct) <= 5
+    assert fake.device == "fake" and cpu.device == "cpu" and cpu.tokens_per_s > 0
+
+
+def test_cpu_tracer_counts_real_allocations_like_the_fake_one():
+    """Same plan, real tensors vs FakeTensors, activation-heavy (eager, dropout, autocast bf16):
+    every category of the breakdown at the peak agrees, not just the total."""
+    cfg, head = resolve_config("bert-base")
+    cfg = {**cfg, "num_hidden_layers": 2}
+    w = api.workload(micro_batch=2, seq_len=64, precision="bf16", attn="eager", optim="adamw_torch")
+    fake = run_traced(cfg, head, w, (8, 0), "fake", 2)["summary"]
+    real = run_traced(cfg, head, w, (8, 0), "cpu", 2)["summary"]
+    assert real.peak_phase == fake.peak_phase
+    for k in set(fake.breakdown) | set(real.breakdown):
+        assert abs(fake.breakdown.get(k, 0) - real.breakdown.get(k, 0)) <= 0.01 * real.peak_allocated, k
+
+
+FAST = [c for c in CASES["cases"] if c.get("fast")]
+
+
+@pytest.mark.parametrize("case", FAST, ids=lambda c: f"{Path(c['model']).stem}-{c['precision']}-{c['attn']}-{c['grad_ckpt']}")
+def test_accuracy_fast_subset(case):
+    """The accuracy suite's fast cases: estimate within 5 % of the fake tracer's peak allocated."""
+    model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
+    gpu = load_gpu(CASES["gpu"])
+    w = api.workload(**{k: v for k, v in case.items() if k not in ("model", "fast")})
+    est = api.estimate(resolve_model(model), gpu, **w.model_dump())
+    cfg, head = resolve_config(model)
+    rep = compare(est, "fake", run_traced(cfg, head, w, gpu.compute_capability, "fake", 2), w, 2,
+                  gpu.cuda_context_bytes, "fake")
+    assert abs(rep.meters[0].error_pct) <= 5, rep.breakdown
+
+
+def test_verify_json_contract():
+    r = cli("verify", "--model", "bert-base", "--micro-batch", "1", "--seq-len", "64", "--device", "fake", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["device"] == "fake" and [m["meter"] for m in d["meters"]] == ["peak_allocated", "peak_reserved",
+                                                                           "device_used"]
+    for m in d["meters"]:
+        assert m["verdict"] in ("ok", "close", "off") and m["measured_bytes"] > 0
+
+
+def test_verify_reads_a_suggest_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    r = cli("suggest", "--model", "bert-base", "--gpu", "a100-80g", "--seq-len", "128", "--json")
+    plan.write_text(r.stdout)
+    r = cli("verify", "--plan", str(plan), "--device", "fake", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    best = json.loads(plan.read_text())["plans"][0]
+    assert d["workload"]["micro_batch"] == best["micro_batch"] and d["gpu"] == "a100-80g"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--plan", "{bad}"], "is not a memplan plan"),
+    (["--plan", "{missing}"], "cannot read"),
+    (["--model", "bert-base", "--device", "cuda"], "no CUDA GPU"),
+    (["--model", "bert-base", "--steps", "0"], "--steps"),
+    (["--model", "bert-base", "--task", "infer"], "training steps"),
+])
+def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    if "--device" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"plans": [{"micro_batch": 1}]}))
+    args = [a.format(bad=bad, missing=tmp_path / "nope.json") for a in args]
+    r = cli("verify", *args)
+    assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_matches_the_estimate():
+    rep = run(model="bert-base", gpu="auto", device="cuda", steps=2, micro_batch=4, seq_len=256)
+    assert rep.device == "cuda" and abs(rep.meters[0].error_pct) <= 5
