@@ -110,11 +110,13 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     else:
         # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
         # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
-        out += [Tensors("core: attention output", p * a * d * Tq), Tensors("core: logsumexp", 4 * b * a * s_q)]
-        if spec.position == "relative":
-            # T5 under SDPA passes position bias + mask as a float attn_bias, which the
-            # memory-efficient kernel saves for backward (transformers create_position_bias_mask)
-            out.append(Tensors("position bias attn_bias", 4 * b * a * s_q * s_kv))
+        # The kernel's saved output is laid out (b, s, heads, d), so transpose(1, 2).contiguous() is a
+        # view and the o_proj input below is the same storage: counted once, as the context (traced).
+        out += [Tensors("core: logsumexp", 4 * b * a * s_q)]
+        if spec.position == "relative" and prec.autocast:
+            # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
+            # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
+            out.append(Tensors("position bias (half cast)", 2 * a * s_q * s_kv))
     out.append(Tensors("context (o_proj input)", p * a * d * Tq))
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq))
@@ -135,8 +137,11 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
                 Tensors("act output, up output", p * f * tokens, 2),
                 Tensors("gate*up (down input)", p * f * tokens)]
     else:
+        inner_dropout = spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0
+        if spec.activation == "relu" and not inner_dropout:
+            saves = 0  # relu saves its output, which is also the down projection's input (traced)
         out.append(Tensors("act input", p * f * tokens, saves))
-        if spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0:
+        if inner_dropout:
             out.append(Tensors("mlp dropout mask", 1 * f * tokens))
         out.append(Tensors("act output (down input)", p * f * tokens))
     if spec.hidden_dropout > 0:
@@ -207,6 +212,10 @@ def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensor
         out += [Tensors("embedding norm input", r * h * T), Tensors("embedding norm mean/rstd", 4 * T, 2)]
     if spec.hidden_dropout > 0:
         out.append(Tensors("embedding dropout mask", 1 * h * T))
+    if spec.position == "relative":
+        # T5's relative position bias, computed once per stack and shared by its layers (fp32,
+        # 1 x heads x s x s): encoder self-attention, decoder self-attention, cross-attention
+        out.append(Tensors("position bias (shared)", 4 * spec.num_heads * s * s, 3 if spec.num_decoder_layers else 1))
     return out
 
 
@@ -224,11 +233,10 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensor
         fwd = [Tensors("logits", p * T * V)]
         if p != 4:
             fwd.append(Tensors("logits fp32 up-cast", 4 * T * V))
-        # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 (saved output still alive),
-        # then the cast of the gradient back to the logits dtype.
+        # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 while the saved log_softmax
+        # output is still alive: the peak of the loss backward (traced). The cast of the gradient back
+        # to half comes after dL/dlogp and the saved output are freed, so it never adds to this peak.
         bwd = [Tensors("loss grad buffers (fp32)", 4 * T * V, 2)]
-        if p != 4:
-            bwd.append(Tensors("logits grad (half)", p * T * V))
         return saved, fwd, bwd
     # classification heads read one token (pooler / CLS) or all tokens for token classification
     n_tok = T if spec.head == "token-classification" else b
