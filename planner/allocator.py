@@ -31,28 +31,15 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
-SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
-SMALL_BUFFER = 2 << 20  # kSmallBuffer: small allocations are packed in 2 MiB segments
-LARGE_BUFFER = 20 << 20  # kLargeBuffer: 1..10 MiB allocations share 20 MiB segments
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: below this, a miss reserves kLargeBuffer
-ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments round up to 2 MiB
+# The allocator's constants and its two size rules live in rules.py (the estimator uses them too):
+# kMinBlockSize, kSmallSize; round_size -> round_block; get_allocation_size -> round_segment.
+from .rules import ALLOC_MIN_BLOCK as MIN_BLOCK_SIZE
+from .rules import ALLOC_SMALL_SIZE as SMALL_SIZE
+from .rules import round_block as round_size
+from .rules import round_segment as allocation_size
 
-
-def round_size(nbytes: int) -> int:
-    """``round_size``: at least kMinBlockSize, else up to a multiple of it."""
-    if nbytes < MIN_BLOCK_SIZE:
-        return MIN_BLOCK_SIZE
-    return -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
-
-
-def allocation_size(size: int) -> int:
-    """``get_allocation_size``: bytes cudaMalloc'ed for a rounded request that missed."""
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
+__all__ = ["MIN_BLOCK_SIZE", "SMALL_SIZE", "AllocatorStats", "CachingAllocator", "allocation_size",
+           "reserved_for", "round_size", "should_split", "simulate"]
 
 
 def should_split(block_size: int, size: int) -> bool:

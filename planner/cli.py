@@ -98,7 +98,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @common_options
 @click.option("--batch-size", type=int, help="global batch in sequences [default: 32]")
 @click.option("--precision", help="one, a comma list, or 'any' [default: best mixed precision of the GPU]")
-@click.option("--grad-ckpt", help="none, full, a comma list, or 'any' [default: any]")
+@click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
             as_json, batch_size, precision, grad_ckpt, top) -> None:
@@ -128,8 +128,8 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
               help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "
               "auto: cuda when there is a GPU, else fake")
-@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps (at least 2: the first "
-              "creates the optimizer state)")
+@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps; 2 or more also see the "
+              "steady state (the first step creates the optimizer state)")
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, as_json,
            micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
     """Run the planned training step (random weights, synthetic batches) and compare with the estimate.

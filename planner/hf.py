@@ -217,6 +217,12 @@ def meta_param_count(config: dict[str, Any], head: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def is_moe_config(config: dict[str, Any] | Any) -> bool:
+    """Whether a config (dict or transformers object) has routed experts."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return bool(get("num_local_experts") or get("num_experts"))
+
+
 def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdpa", trust_remote_code: bool = False,
                 half_weights: bool = False):
     """The transformers model of `head` for this config, with random weights in the current device / mode.
@@ -230,7 +236,7 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
     auto = getattr(transformers, HEADS[head])
     impl = "eager" if attn == "eager" else "sdpa"
     extra = {}
-    if _get(cfg, "num_local_experts", "num_experts") and not half_weights:
+    if is_moe_config(cfg) and not half_weights:
         # transformers' default MoE path (torch._grouped_mm) takes bf16 weights only; fp32 weights
         # (fp32 and autocast training) run the per-expert loop
         extra["experts_implementation"] = "eager"

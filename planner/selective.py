@@ -26,9 +26,10 @@ modeling file's `ALL_ATTENTION_FUNCTIONS` holds -- and runs it inside a non-reen
 Supported families: `SELECTIVE_FAMILIES`, each verified to route its attention core through the interface.
 
 Details that matter for memory accounting:
-- The recomputation runs under the TorchFunctionModes that were active in forward: a mode that handles
-  `Tensor.backward` (memplan's cudasim.CudaSemantics) is popped by torch for the whole backward, so it is
-  re-entered around the recomputed core. Such a mode sees the core twice (e.g. SDPA kernel counts double).
+- The recomputation runs under the TorchFunctionModes that were active in forward: torch pops a mode
+  while it handles `Tensor.backward`, so the whole backward runs without it. memplan's
+  cudasim.CudaSemantics re-enters itself for backward (full checkpointing needs that too); other modes
+  are re-entered here around the recomputed core. Such a mode sees the core twice (SDPA kernel counts double).
 - The checkpoint holds its tensor inputs until backward: Q, K, V (saved by the unpatched core as well), and the
   attention mask / position ids / T5 position bias, which the unpatched model frees after forward; those are
   shared by all layers, so they cost one b x s x s mask (not one per layer). Inputs that are views into a

@@ -19,19 +19,14 @@ the peak of each phase, and the reserved memory from the allocator simulation.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .allocator import CachingAllocator
-
-BLOCK = 512  # kMinBlockSize
-
-
-def round_block(n: int) -> int:
-    return max(BLOCK, -(-n // BLOCK) * BLOCK)
+from .rules import round_block
 
 
 @dataclass
@@ -52,7 +47,6 @@ class TraceSummary:
     peak_reserved: int  # allocator simulation of the same alloc / free sequence
     allocations: int
     ops: int
-    timeline: list[tuple[str, int]] = field(default_factory=list)  # (phase, peak) in run order
 
 
 class LiveTracker(TorchDispatchMode):
@@ -83,7 +77,7 @@ class LiveTracker(TorchDispatchMode):
     def classify(self, tensors, category: str) -> None:
         """Name tensors that already live (a parameter's .grad, an optimizer's state)."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" or _is_fake(t):
+            if isinstance(t, torch.Tensor):
                 idx = self.live.get(id(t.untyped_storage()))
                 if idx is not None:
                     self.allocs[idx].category = category
@@ -132,18 +126,13 @@ class LiveTracker(TorchDispatchMode):
         cur = peak = peak_at = 0
         phase = "setup"
         phase_peak: dict[str, int] = {}
-        timeline: list[list] = []
         for pos, e in enumerate(events):
-            if pos in marks:
-                phase = marks[pos]
-                timeline.append([phase, cur])
+            phase = marks.get(pos, phase)
             cur += size[e] if e >= 0 else -size[~e]
             if cur > peak:
                 peak, peak_at = cur, pos
             if cur > phase_peak.get(phase, -1):
                 phase_peak[phase] = cur
-            if timeline and cur > timeline[-1][1]:
-                timeline[-1][1] = cur
         live: dict[int, None] = {}
         for e in events[: peak_at + 1]:
             if e >= 0:
@@ -163,13 +152,9 @@ class LiveTracker(TorchDispatchMode):
         return TraceSummary(
             peak_allocated=peak, peak_phase=peak_alloc.phase if peak_alloc else "setup",
             peak_op=peak_alloc.op if peak_alloc else "", breakdown=dict(sorted(breakdown.items())),
-            phases=phase_peak, peak_reserved=sim.peak_reserved, allocations=len(allocs), ops=self.ops,
-            timeline=[(p, v) for p, v in timeline])
+            phases=phase_peak, peak_reserved=sim.peak_reserved, allocations=len(allocs), ops=self.ops)
 
 
 _PHASE_CATEGORY = {"forward": "activations", "backward": "transient", "optimizer": "optimizer_temporaries",
                    "data": "inputs", "setup": "weights"}
 
-
-def _is_fake(t) -> bool:
-    return type(t).__name__ == "FakeTensor"

@@ -1,6 +1,7 @@
 """`memplan verify` and its ground truth: the fake tracer agrees with a real CPU run and with the
 analytic estimate; bad inputs are one line and exit 2."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,9 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memplan import api  # noqa: E402
-from memplan.catalog import resolve_config, resolve_model  # noqa: E402
-from memplan.profiles import load_gpu  # noqa: E402
-from memplan.verify import compare, run, run_traced  # noqa: E402
+from memplan.catalog import resolve_config  # noqa: E402
+from memplan.verify import run, run_traced  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = json.loads((ROOT / "benchmarks/accuracy/cases.json").read_text())
@@ -49,17 +49,18 @@ def test_cpu_tracer_counts_real_allocations_like_the_fake_one():
 FAST = [c for c in CASES["cases"] if c.get("fast")]
 
 
+def _accuracy_suite():
+    spec = importlib.util.spec_from_file_location("accuracy_run", ROOT / "benchmarks/accuracy/run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("case", FAST, ids=lambda c: f"{Path(c['model']).stem}-{c['precision']}-{c['attn']}-{c['grad_ckpt']}")
 def test_accuracy_fast_subset(case):
     """The accuracy suite's fast cases: estimate within 5 % of the fake tracer's peak allocated."""
-    model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
-    gpu = load_gpu(CASES["gpu"])
-    w = api.workload(**{k: v for k, v in case.items() if k not in ("model", "fast")})
-    est = api.estimate(resolve_model(model), gpu, **w.model_dump())
-    cfg, head = resolve_config(model)
-    rep = compare(est, "fake", run_traced(cfg, head, w, gpu.compute_capability, "fake", 2), w, 2,
-                  gpu.cuda_context_bytes, "fake")
-    assert abs(rep.meters[0].error_pct) <= 5, rep.breakdown
+    rep = _accuracy_suite().verify_case(case, CASES["gpu"], CASES["steps"], "fake")
+    assert rep.device == "fake" and abs(rep.meters[0].error_pct) <= 5, rep.breakdown
 
 
 def test_verify_json_contract():

@@ -27,31 +27,23 @@ ROOT = HERE.parents[1]
 MiB = 2**20
 
 
-def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
-    from memplan import api
-    from memplan.catalog import resolve_config, resolve_model
-    from memplan.profiles import load_gpu
-    from memplan.verify import compare, run_cuda, run_traced
+def verify_case(case: dict, gpu_name: str, steps: int, device: str):
+    """`memplan verify` on one case (the test suite's fast subset calls this too)."""
+    from memplan.verify import run
 
     model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
-    gpu = load_gpu(gpu_name)
-    work = {k: case[k] for k in ("micro_batch", "seq_len", "precision", "attn", "optim", "grad_ckpt", "momentum")
-            if k in case}
-    w = api.workload(**work)
-    spec = resolve_model(model)
-    est = api.estimate(spec, gpu, **w.model_dump())
-    config, head = resolve_config(model)
+    work = {k: v for k, v in case.items() if k not in ("model", "fast")}
+    return run(model=model, gpu=gpu_name, device=device, steps=steps, **work)
+
+
+def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
     t0 = time.perf_counter()
-    if device == "cuda":
-        run = run_cuda(config, head, w, steps)
-    else:
-        run = run_traced(config, head, w, gpu.compute_capability, device, steps)
-    rep = compare(est, device, run, w, steps, gpu.cuda_context_bytes, device)
+    rep = verify_case(case, gpu_name, steps, device)
     gc.collect()
     return {"case": case, "seconds": round(time.perf_counter() - t0, 2),
             "meters": [m.model_dump() for m in rep.meters], "breakdown": rep.breakdown,
-            "peak_phase": {"measured": rep.peak_phase, "predicted": est.peak_phase}, "peak_op": rep.peak_op,
-            "sdpa_kernels": rep.sdpa_kernels}
+            "peak_phase": {"measured": rep.peak_phase, "predicted": rep.estimate.peak_phase},
+            "peak_op": rep.peak_op, "sdpa_kernels": rep.sdpa_kernels}
 
 
 def label(case: dict) -> str:
