@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .modelspec import ModelSpec
-from .rules import ACTIVATION_SAVES, Precision
+from .rules import Precision, activation_saved_bytes
 
 # Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
 SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
@@ -28,6 +28,8 @@ UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have
 NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
 MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
 PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
+# The query is a view of the fused QKV output (no rotary embedding makes a new tensor): GPT-2.
+QUERY_VIEWS_FUSED_QKV = {"gpt2"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: st
 
 
 def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
-               selective: bool = False) -> list[Tensors]:
+               selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
     """Saved by one attention block after its input projection: q, k, v, the core, the output input.
     Tensors named "core: ..." belong to the attention core (QK^T, softmax, dropout, PV), which selective
     recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
@@ -96,6 +98,12 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             out.append(Tensors("k, v", p * k * d * Tkv, 2))
     else:
         out.append(Tensors("k, v", p * k * d * Tkv, 2))
+        if kv_cache and attn != "eager" and not selective and spec.model_type in QUERY_VIEWS_FUSED_QKV:
+            # Decoders build a DynamicCache in training too (use_cache defaults to True; only gradient
+            # checkpointing turns it off), and attention gets the cache's torch.cat copies of k and v.
+            # The SDPA / flash kernel saves the query, a view that keeps the whole fused QKV output
+            # alive, so the k and v it holds survive beside their copies (traced, GPT-2).
+            out.append(Tensors("k, v before the cache copy (fused QKV)", p * k * d * Tkv, 2))
     if attn == "eager":
         scores = b * a * s_q * s_kv
         upcast = spec.model_type in SOFTMAX_FP32
@@ -130,17 +138,18 @@ def is_core(t: Tensors) -> bool:
 def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
     """Saved by the MLP after its input projection(s), for `tokens` tokens."""
     f, p, h = spec.intermediate_size, prec.act, spec.hidden_size
-    saves = ACTIVATION_SAVES.get(spec.activation, 1)
+    # what the activation function saves (its input, or the pieces of a Python-composed GELU)
+    saves = [Tensors("act input / saved pieces", w * f * tokens)
+             for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
     out: list[Tensors] = []
     if spec.mlp == "gated":
-        out += [Tensors("gate output (act input)", p * f * tokens, saves),
-                Tensors("act output, up output", p * f * tokens, 2),
+        out += saves + [Tensors("act output, up output", p * f * tokens, 2),
                 Tensors("gate*up (down input)", p * f * tokens)]
     else:
         inner_dropout = spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0
         if spec.activation == "relu" and not inner_dropout:
-            saves = 0  # relu saves its output, which is also the down projection's input (traced)
-        out.append(Tensors("act input", p * f * tokens, saves))
+            saves = []  # relu saves its output, which is also the down projection's input (traced)
+        out += saves
         if inner_dropout:
             out.append(Tensors("mlp dropout mask", 1 * f * tokens))
         out.append(Tensors("act output (down input)", p * f * tokens))
@@ -166,7 +175,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
 
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
-           s_enc: int = 0, selective: bool = False) -> list[Tensors]:
+           s_enc: int = 0, selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
     h, T = spec.hidden_size, b * s
     n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
     out: list[Tensors] = []
@@ -174,7 +183,7 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _norm(spec, T, prec)
     n_qkv = QKV_LINEARS.get(spec.model_type, 3)
     out += _linear_inputs(n_qkv, h, T, prec, "qkv input")
-    out += _attention(spec, b, s, s, prec, attn, selective)
+    out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
@@ -245,12 +254,13 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensor
 
 
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
-                         selective: bool = False) -> ActivationModel:
-    """selective: the layers keep everything but their attention core (Megatron selective recompute)."""
+                         selective: bool = False, kv_cache: bool = True) -> ActivationModel:
+    """selective: the layers keep everything but their attention core (Megatron selective recompute).
+    kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing)."""
     if spec.arch == "vision":
         s = spec.seq_positions
     full = _layer(spec, b, s, prec, attn)
-    layer = _layer(spec, b, s, prec, attn, selective=selective)
+    layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache)
     dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
     T = b * s

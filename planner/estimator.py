@@ -4,6 +4,7 @@ A training step is a sequence of moments; the peak is the largest of them (docs/
   forward-loss    weights + states + autocast copies + saved activations + logits while the loss runs
   backward-start  ... + the loss gradient chain (dL/dlogp, dL/dlogits in fp32)
   backward-layer  ... + the head's gradients + one layer's grad buffers (+ its recompute under checkpointing)
+  backward-end    (tied heads) weights + gradients + states + the tied matrix's two gradients being summed
   optimizer-step  weights + gradients + states + the optimizer's temporaries
 States count from the second step on (created lazily by the first step()), which is the steady state.
 """
@@ -183,13 +184,29 @@ def _weight_bytes(fmt, g: ParamGroup) -> float:
     return fmt.linear if quantisable else fmt.other
 
 
+def _tied_head(spec: ModelSpec) -> bool:
+    """The LM head's weight is the input embedding matrix (tie_word_embeddings)."""
+    return spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm")
+
+
+def _tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool) -> int:
+    """The end of backward for a tied head: autograd holds the head's weight gradient in the input
+    buffer of the shared parameter until the embedding's backward produces its own, then adds them
+    (torch/csrc/autograd/input_buffer.cpp): two vocab x hidden inputs and the sum coexist with every
+    other gradient. With set-to-none the sum becomes .grad (counted as a gradient); with gradients
+    already allocated it is a third temporary that AccumulateGrad adds in place."""
+    if not _tied_head(spec):
+        return 0
+    return (3 if grads_live else 2) * round_block(spec.vocab_size * spec.hidden_size * grad_bytes)
+
+
 def _autocast_copies(spec: ModelSpec, half: int = 2) -> tuple[int, int]:
     """(all copies, head copies): half copies of the parameters that autocast casts for matmuls.
     A tied LM head casts the embedding matrix, so that copy exists too."""
     groups = [g for g in spec.params if g.category in LINEAR_CATEGORIES]
     all_c = _rounded(tuple(groups), lambda g: g.numel * half)
     head_c = _rounded(tuple(g for g in groups if g.category == "head"), lambda g: g.numel * half)
-    if spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+    if _tied_head(spec):
         tied = round_block(spec.vocab_size * spec.hidden_size * half)
         all_c += tied
         head_c += tied
@@ -199,7 +216,7 @@ def _autocast_copies(spec: ModelSpec, half: int = 2) -> tuple[int, int]:
 def _head_grads(spec: ModelSpec, grad_bytes: float) -> int:
     """Gradients allocated first in backward: the head (or the tied embedding matrix)."""
     g = _rounded(tuple(x for x in spec.params if x.category == "head" and x.trainable), lambda x: x.numel * grad_bytes)
-    if spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+    if _tied_head(spec):
         g += round_block(spec.vocab_size * spec.hidden_size * grad_bytes)
     return g
 
@@ -228,7 +245,8 @@ def _training(spec: ModelSpec, w: Workload):
     if rule.paged:
         notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
 
-    am = training_activations(spec, w.micro_batch, w.seq_len, prec, w.attn, selective=w.grad_ckpt == "selective")
+    am = training_activations(spec, w.micro_batch, w.seq_len, prec, w.attn, selective=w.grad_ckpt == "selective",
+                              kv_cache=w.grad_ckpt != "full")
     layer_b = _rounded_tensors(am.layer)
     dec_b = _rounded_tensors(am.decoder_layer)
     other_b = _rounded_tensors(am.other)
@@ -261,10 +279,14 @@ def _training(spec: ModelSpec, w: Workload):
         "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + layer_bwd,
         "optimizer-step": weights + grads + states + temp,
     }
+    tied_sum = _tied_grad_sum(spec, prec.grad, grads_in_fwd)
+    if tied_sum:
+        phases["backward-end"] = weights + states + grads + tied_sum
     peak_phase = max(phases, key=lambda k: phases[k])
     parts = {"weights": weights, "optimizer_states": states}
-    if peak_phase == "optimizer-step":
-        parts |= {"gradients": grads, "optimizer_temporaries": temp}
+    if peak_phase in ("optimizer-step", "backward-end"):
+        parts |= {"gradients": grads, "optimizer_temporaries": temp if peak_phase == "optimizer-step" else 0,
+                  "transient": tied_sum if peak_phase == "backward-end" else 0}
         act_ts: list[Tensors] = []
     else:
         parts["gradients"] = g_live + (g_head if peak_phase == "backward-layer" else 0)

@@ -157,15 +157,30 @@ def optimizer_state_bytes(rule: OptimRule, shape: tuple[int, ...], param_bytes: 
 
 
 # -- activation functions -------------------------------------------------------------------------
-# Full-size tensors (in units of the MLP intermediate, in the compute dtype) that the activation
-# function saves for backward, beyond its own output (which the next linear saves).
-# gelu / silu / relu in ATen save one tensor (input or result); transformers' NewGELUActivation
-# ("gelu_new", GPT-2) is written in Python: 0.5*x*(1+tanh(c*(x+0.044715*x**3))) saves x, x**3 input,
-# the tanh output and the (1+tanh) factor.
-ACTIVATION_SAVES: dict[str, int] = {
-    "gelu": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 3, "quick_gelu": 2, "relu": 1, "silu": 1, "swish": 1,
-    "gelu_new": 4, "gelu_python": 3,
+# The full-size tensors (units of the MLP intermediate) an activation function saves for backward,
+# beyond its own output (which the next linear saves), by width: "act" is the compute dtype; "up" is
+# fp32 under autocast (an op on CUDA autocast's fp32 list, or a result promoted by one; the lists are in
+# ATen/autocast_mode.h) and the compute dtype otherwise.
+# - gelu / silu / relu (ATen) save one tensor, their input or result.
+# - transformers' NewGELUActivation ("gelu_new", GPT-2): 0.5*x*(1+tanh(c*(x+0.044715*pow(x,3)))):
+#   pow saves x (pow is on the fp32 list, so an fp32 copy), tanh its output and the final multiply
+#   both factors, 0.5*x and (1+tanh); everything after pow is promoted to fp32 (traced, GPT-2 bf16).
+# - FastGELUActivation ("gelu_fast"): 0.5*x*(1+tanh(x*c*(1+0.044715*x*x))): x and 0.044715*x (x*x),
+#   x*c and the bracket, tanh's output, 0.5*x and (1+tanh).
+# - GELUActivation(use_gelu_python) ("gelu_python"): x*0.5*(1+erf(x/sqrt 2)): erf's input, x*0.5, (1+erf).
+# - QuickGELUActivation: x*sigmoid(1.702x): sigmoid's output and x.
+ACTIVATION_SAVES: dict[str, tuple[str, ...]] = {
+    "gelu": ("act",), "gelu_pytorch_tanh": ("act",), "relu": ("act",), "silu": ("act",), "swish": ("act",),
+    "gelu_new": ("up", "act", "up", "up"), "gelu_fast": ("act",) * 7, "gelu_python": ("act",) * 3,
+    "quick_gelu": ("act",) * 2,
 }
+
+
+def activation_saved_bytes(activation: str, act_bytes: int, autocast: bool) -> list[int]:
+    """Bytes per element of each tensor the activation function saves (see ACTIVATION_SAVES)."""
+    up = 4 if autocast else act_bytes
+    return [up if w == "up" else act_bytes for w in ACTIVATION_SAVES.get(activation, ("act",))]
+
 
 # -- CUDA caching allocator -----------------------------------------------------------------------
 # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize 512 (every block rounded up to 512 B),

@@ -153,18 +153,24 @@ def _make_selective(base: str) -> Callable:
         kw_names = list(kw_tensors)
         n_args = len(arg_slots)
         modes = _function_modes()  # forward's; the recomputation runs under them too
+        # The recompute closure lives until backward: it must not hold the original tensors (a view
+        # would keep its whole base alive, e.g. GPT-2's fused QKV output behind the compacted query).
+        rest_args = [None if _is_tensor(a) else a for a in args]
+        rest_kwargs = {k: v for k, v in kwargs.items() if k not in kw_tensors}
+        compact = _compact(tensors)
+        del args, kwargs, arg_tensors, kw_tensors, tensors
 
         def run(*ts):
-            call_args = list(args)
+            call_args = list(rest_args)
             for i, t in zip(arg_slots, ts[:n_args]):
                 call_args[i] = t
-            call_kwargs = dict(kwargs)
+            call_kwargs = dict(rest_kwargs)
             call_kwargs.update(zip(kw_names, ts[n_args:]))
             with _reentered(modes):
                 return core(module, *call_args, **call_kwargs)
 
         # looked up at call time (not imported by name) so that tests and tools can observe it
-        return torch.utils.checkpoint.checkpoint(run, *_compact(tensors), use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(run, *compact, use_reentrant=False)
 
     selective_attention.__name__ = selective_attention.__qualname__ = f"selective_{base}_attention_forward"
     selective_attention.base = base
