@@ -37,6 +37,9 @@ class Tensors:
     name: str
     nbytes: float  # bytes of one tensor
     count: int = 1
+    # Replicated under tensor parallelism (the residual stream side: norms, linear inputs, hidden
+    # dropout masks); sequence parallelism shards these too (Korthikanti et al. 2022, section 4.2.2).
+    rep: bool = False
 
     @property
     def total(self) -> float:
@@ -49,7 +52,8 @@ class ActivationModel:
 
     layer: list[Tensors]  # saved by one encoder (or decoder-only) layer
     decoder_layer: list[Tensors]  # saved by one decoder layer of an encoder-decoder (else empty)
-    other: list[Tensors]  # embeddings, final norm, head, loss
+    embed: list[Tensors]  # embeddings (the first pipeline stage)
+    head_saved: list[Tensors]  # final norm, head, log-softmax (the last pipeline stage)
     layer_input: list[Tensors]  # what full checkpointing keeps per layer
     layer_backward: list[Tensors]  # extra live in one layer's backward (grad buffers)
     layer_core: list[Tensors]  # the attention core of one layer: rebuilt in backward under selective
@@ -68,17 +72,17 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     saves the normalised tensor in the input dtype."""
     h, r = spec.hidden_size, prec.residual
     if spec.norm == "layernorm":
-        return [Tensors("norm input", r * h * T), Tensors("norm mean/rstd", 4 * T, 2)]
-    return [Tensors("rmsnorm fp32 input", 4 * h * T), Tensors("rmsnorm normalised", r * h * T),
-            Tensors("rmsnorm rstd", 4 * T)]
+        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", 4 * T, 2, rep=True)]
+    return [Tensors("rmsnorm fp32 input", 4 * h * T, rep=True), Tensors("rmsnorm normalised", r * h * T, rep=True),
+            Tensors("rmsnorm rstd", 4 * T, rep=True)]
 
 
 def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
     """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
     the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
     if prec.autocast:
-        return [Tensors(f"{name} (half cast)", 2 * width * T, n_linears)]
-    return [Tensors(name, prec.residual * width * T)]
+        return [Tensors(f"{name} (half cast)", 2 * width * T, n_linears, rep=True)]
+    return [Tensors(name, prec.residual * width * T, rep=True)]
 
 
 def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
@@ -127,7 +131,7 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             out.append(Tensors("position bias (half cast)", 2 * a * s_q * s_kv))
     out.append(Tensors("context (o_proj input)", p * a * d * Tq))
     if spec.hidden_dropout > 0:
-        out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq))
+        out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
 
 
@@ -154,7 +158,7 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
             out.append(Tensors("mlp dropout mask", 1 * f * tokens))
         out.append(Tensors("act output (down input)", p * f * tokens))
     if spec.hidden_dropout > 0:
-        out.append(Tensors("mlp dropout mask", 1 * h * tokens))
+        out.append(Tensors("mlp dropout mask", 1 * h * tokens, rep=True))
     return out
 
 
@@ -164,13 +168,13 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     h, E, K, r = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual
     routed = K * T
     out = _linear_inputs(1, h, T, prec, "router input")
-    out.append(Tensors("router softmax", 4 * E * T))
+    out.append(Tensors("router softmax", 4 * E * T, rep=True))
     n_in = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
     out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
     if not prec.autocast:
-        out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed)]
+        out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
     out += _mlp(spec, routed, prec)
-    out.append(Tensors("expert output (weighted)", prec.act * h * routed))
+    out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
     return out
 
 
@@ -216,11 +220,12 @@ def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensor
     h, T, r = spec.hidden_size, b * s, prec.residual
     out: list[Tensors] = []
     if spec.arch == "vision":
-        out.append(Tensors("pixel values (patch conv input)", 4 * b * spec.num_channels * spec.image_size ** 2))
+        out.append(Tensors("pixel values (patch conv input)", 4 * b * spec.num_channels * spec.image_size ** 2, rep=True))
     if spec.arch in ("encoder", "vision") and spec.model_type != "vit":
-        out += [Tensors("embedding norm input", r * h * T), Tensors("embedding norm mean/rstd", 4 * T, 2)]
+        out += [Tensors("embedding norm input", r * h * T, rep=True),
+                Tensors("embedding norm mean/rstd", 4 * T, 2, rep=True)]
     if spec.hidden_dropout > 0:
-        out.append(Tensors("embedding dropout mask", 1 * h * T))
+        out.append(Tensors("embedding dropout mask", 1 * h * T, rep=True))
     if spec.position == "relative":
         # T5's relative position bias, computed once per stack and shared by its layers (fp32,
         # 1 x heads x s x s): encoder self-attention, decoder self-attention, cross-attention
@@ -249,14 +254,26 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensor
         return saved, fwd, bwd
     # classification heads read one token (pooler / CLS) or all tokens for token classification
     n_tok = T if spec.head == "token-classification" else b
-    saved.append(Tensors("head input", prec.residual * h * n_tok))
+    saved.append(Tensors("head input", prec.residual * h * n_tok, rep=True))
     return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
 
 
+def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
+    """One tensor-parallel rank's share: heads, the MLP intermediate and the vocabulary are split t
+    ways (Megatron column / row parallel linears, vocab-parallel cross-entropy); the residual side is
+    replicated unless sequence parallelism splits it along the sequence. Korthikanti et al. 2022,
+    eq. 2 (TP: s*b*h*(10 + 24/t + 5*a*s/(h*t))) and eq. 4 (TP + SP: s*b*h*(34 + 5*a*s/h)/t)."""
+    if tp == 1:
+        return ts
+    return [t if (t.rep and not sp) else Tensors(t.name, t.nbytes / tp, t.count, t.rep) for t in ts]
+
+
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
-                         selective: bool = False, kv_cache: bool = True) -> ActivationModel:
+                         selective: bool = False, kv_cache: bool = True, tp: int = 1,
+                         sp: bool = False) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
-    kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing)."""
+    kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
+    tp, sp: one tensor-parallel rank's share (`shard`)."""
     if spec.arch == "vision":
         s = spec.seq_positions
     full = _layer(spec, b, s, prec, attn)
@@ -265,14 +282,16 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
     T = b * s
     return ActivationModel(
-        layer=layer,
-        decoder_layer=dec,
-        other=_embeddings(spec, b, s, prec) + saved_head,
-        layer_input=[Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T)],
-        layer_backward=_layer_backward(spec, b, s, prec, attn),
-        layer_core=[t for t in full if is_core(t)],
-        loss_forward=loss_fwd,
-        loss_backward=loss_bwd,
+        layer=shard(layer, tp, sp),
+        decoder_layer=shard(dec, tp, sp),
+        embed=shard(_embeddings(spec, b, s, prec), tp, sp),
+        head_saved=shard(saved_head, tp, sp),
+        layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
+                          tp, sp),
+        layer_backward=shard(_layer_backward(spec, b, s, prec, attn), tp, sp),
+        layer_core=shard([t for t in full if is_core(t)], tp, sp),
+        loss_forward=shard(loss_fwd, tp, sp),
+        loss_backward=shard(loss_bwd, tp, sp),
     )
 
 

@@ -57,6 +57,56 @@ def common_options(f, required: bool = True):
     return f
 
 
+def _parallel_options(search: bool):
+    """Multi-GPU options; `suggest` takes lists or 'any' where `estimate` takes one value."""
+    many = " (one, a comma list, or 'any') [default: any]" if search else ""
+
+    def deco(f):
+        opts = [
+            click.option("--gpus", type=int, default=1, show_default=True, help="GPUs per node"),
+            click.option("--nodes", type=int, default=1, show_default=True),
+            click.option("--zero", help="DeepSpeed ZeRO stage 0-3 (0: torch DDP)" + (many or " [default: 0]")),
+            click.option("--offload", help="DeepSpeed offload to CPU: none, optimizer, all (+ parameters, ZeRO-3)"
+                         + (many or " [default: none]")),
+            click.option("--tp", help="tensor-parallel degree, inside a node" + (many or " [default: 1]")),
+            click.option("--pp", help="pipeline stages" + (many or " [default: 1]")),
+            click.option("--sp", help="sequence parallel with TP: on, off" + (many or " [default: off]")),
+            click.option("--vpp", help="virtual stages per GPU (interleaved 1F1B)" + (many or " [default: 1]")),
+            click.option("--cpu-mem", type=float, help="host RAM per node in GiB, for offload [default: not checked]"),
+            click.option("--net-gbs", type=float, help="inter-node GB/s per GPU [default: by GPU generation, "
+                         "docs/cost-model.md]"),
+        ]
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return deco
+
+
+def _one_int(value, name: str, default: int) -> int:
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--{name}: expected a number, got {value!r}") from None
+
+
+def _parallel_work(gpus, nodes, zero, offload, tp, pp, sp, vpp, net_gbs) -> dict:
+    if sp not in (None, "on", "off"):
+        raise UserError(f"--sp: expected on or off, got {sp!r}")
+    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), offload=offload or "none",
+                tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1),
+                net_gbs=net_gbs)
+
+
+def _cpu_mem(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if gib <= 0:
+        raise UserError("--cpu-mem must be positive (GiB per node)")
+    return int(gib * 2**30)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="memplan")
 def cli() -> None:
@@ -72,8 +122,10 @@ def cli() -> None:
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
 @click.option("--beams", type=int, default=1, show_default=True)
+@_parallel_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-             as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams) -> None:
+             as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes, zero, offload,
+             tp, pp, sp, vpp, cpu_mem, net_gbs) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from . import api
     from .search import best_mixed_precision, default_seq_len
@@ -85,7 +137,12 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
     est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
                        grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
                        grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
-                       zero_grad=zero_grad, headroom=headroom)
+                       zero_grad=zero_grad, headroom=headroom,
+                       **_parallel_work(gpus, nodes, zero, offload, tp, pp, sp, vpp, net_gbs))
+    limit = _cpu_mem(cpu_mem)
+    if limit is not None and est.cpu_ram_per_node_bytes > limit:
+        est = est.model_copy(update={"fits": False, "notes": est.notes + [
+            f"offload needs {est.cpu_ram_per_node_bytes / 2**30:,.0f} GiB of host RAM per node; --cpu-mem is {cpu_mem:g}"]})
     if as_json:
         _emit_json(est)
     else:
@@ -100,14 +157,20 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--precision", help="one, a comma list, or 'any' [default: best mixed precision of the GPU]")
 @click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
+@click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
+              show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
+@_parallel_options(search=True)
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-            as_json, batch_size, precision, grad_ckpt, top) -> None:
+            as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, offload, tp, pp, sp, vpp,
+            cpu_mem, net_gbs) -> None:
     """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
     from . import api
 
     s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
-                    momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top)
+                    momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
+                    objective=objective, gpus=gpus, nodes=nodes, zero=zero, offload=offload, tp=tp, pp=pp, sp=sp,
+                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs)
     if as_json:
         _emit_json(s)
     else:

@@ -37,9 +37,22 @@ class Throughput:
     samples_per_s: float
     tokens_per_s: float
     mfu: float  # model FLOPs (no recompute) / (time * peak of the compute dtype)
+    terms: "StepTime | None" = None
 
 
 def active_params(spec: ModelSpec) -> int:
+    hit = _ACTIVE.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    n = _active_params(spec)
+    _ACTIVE[id(spec)] = (spec, n)
+    return n
+
+
+_ACTIVE: dict = {}
+
+
+def _active_params(spec: ModelSpec) -> int:
     by = spec.params_by_category()
     dense = sum(n for c, n in by.items() if c not in ("experts", "embeddings"))
     if spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm"):
@@ -61,20 +74,150 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str) -> tup
     return model, hw
 
 
-def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
-               state_bytes: float) -> Throughput:
+# -- communication (docs/cost-model.md) ------------------------------------------------------------
+# NCCL reaches about 80 % of a link's unidirectional bandwidth in large all-reduce / all-gather /
+# reduce-scatter (busbw in nccl-tests reports: ~360-370 GB/s on 8x H100 NVLink4, 450 GB/s per
+# direction); an assumption, documented as such.
+LINK_EFFICIENCY = 0.8
+# Inter-node bandwidth per GPU when the user gives no --net-gbs: one 400 Gb/s NIC per GPU on Hopper
+# systems (DGX H100 / AWS p5 / GCP a3-mega: 8x 400 Gb/s ConnectX-7), 200 Gb/s per GPU on A100 systems
+# (DGX A100: 8x 200 Gb/s HDR), 100 Gb/s otherwise. GB/s, one direction.
+NET_GBS_BY_ARCH = {9: 50.0, 8: 25.0}
+NET_GBS_DEFAULT = 12.5
+# DeepSpeedCPUAdam is memory-bound on the host: per parameter it reads and writes the fp32 master
+# and both moments and reads the fp32 gradient (4 * 7 = 28 bytes) and writes the half copy (2).
+CPU_ADAM_BYTES_PER_PARAM = 30
+HOST_MEMORY_GBS = 200.0  # achievable DRAM bandwidth of a 2-socket server node (assumption)
+
+
+def intra_node_gbs(gpu: GPUProfile) -> float:
+    """One direction of the GPU-to-GPU link inside a node: NVLink (quoted bidirectional) or PCIe."""
+    return (gpu.nvlink_gbs / 2 if gpu.nvlink_gbs else gpu.pcie_gbs) * LINK_EFFICIENCY
+
+
+def inter_node_gbs(gpu: GPUProfile, w: Workload) -> float:
+    return (w.net_gbs or NET_GBS_BY_ARCH.get(gpu.compute_capability[0], NET_GBS_DEFAULT)) * LINK_EFFICIENCY
+
+
+def _group_bw(gpu: GPUProfile, w: Workload, stride: int, size: int) -> float:
+    """Bytes/s of a collective over `size` ranks spaced `stride` apart in the rank order: inside a
+    node when the whole group fits in one, else limited by the network."""
+    return (intra_node_gbs(gpu) if stride * size <= w.gpus else inter_node_gbs(gpu, w)) * 1e9
+
+
+def ring(n: int, nbytes: float, bw: float, kind: str) -> float:
+    """Ring algorithm time: all-reduce moves 2(n-1)/n of the buffer, all-gather and reduce-scatter
+    (n-1)/n (Patarasuk & Yuan 2009; NCCL's busbw definitions)."""
+    if n <= 1:
+        return 0.0
+    f = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+    return f * nbytes / bw
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by term (the sum is the step time)."""
+
+    compute: float  # matmuls + activation traffic of all micro batches, one stage
+    bubble: float  # pipeline fill and drain
+    tp_comm: float  # tensor-parallel all-reduces (or SP all-gather + reduce-scatter), not overlapped
+    pp_comm: float  # point-to-point activations between stages
+    dp_comm: float  # the part of the DP / ZeRO collectives not hidden behind backward
+    optimizer: float  # the optimizer step (GPU memory traffic, or CPU Adam + PCIe under offload)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.optimizer
+
+
+def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float, state_bytes: float,
+              params_per_gpu: int, half: bool, mb: int, m: int) -> StepTime:
+    """One optimizer step of one data-parallel replica (mb sequences x m micro batches); every rank
+    takes the same time."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
-    tokens = w.micro_batch * seq
+    tokens = mb * seq
     dtype = COMPUTE_DTYPE[w.precision]
     peak = gpu.tflops.get(dtype) or gpu.tflops.get("fp32", 1.0)
-    eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * spec.hidden_size / (spec.hidden_size + HIDDEN_HALF)
+    # the matmuls of one TP rank are 1/tp as wide: the shape efficiency sees hidden / tp
+    width = spec.hidden_size / w.tp
+    eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
+    _, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
+    compute_micro = hw_f * tokens / (w.tp * w.pp) / (peak * 1e12 * eff)
+    micro = compute_micro + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
+    compute = micro * m
+    # 1F1B: (pp - 1) micro-batch slots of fill and drain, divided by the virtual stages when interleaved
+    bubble = micro * (w.pp - 1) / w.vpp
+
+    act_bytes = 2 if half else 4
+    layers = spec.total_layers / w.pp
+    intra = intra_node_gbs(gpu) * 1e9
+    tp_comm = 0.0
+    if w.tp > 1:
+        # Megatron: 2 all-reduces in forward and 2 in backward per layer over b*s*h (with SP: an
+        # all-gather + reduce-scatter pair each, the same volume); full recompute repeats the forward's
+        n_ar = 4 + (2 if w.grad_ckpt == "full" else 0)
+        tp_comm = m * layers * n_ar * ring(w.tp, tokens * spec.hidden_size * act_bytes, intra, "all-reduce")
+    pp_comm = 0.0
+    if w.pp > 1:
+        # each micro batch crosses every stage boundary forward and backward (vpp times when
+        # interleaved); with SP the message is split over the TP ranks
+        msg = tokens * spec.hidden_size * act_bytes / (w.tp if w.sp else 1)
+        p2p_bw = _group_bw(gpu, w, w.tp * w.dp, w.pp)
+        pp_comm = 2 * m * w.vpp * msg / p2p_bw
+    dp_comm = 0.0
+    g_bytes = params_per_gpu * (2 if (half and w.zero) else 4)
+    p_bytes = params_per_gpu * (2 if half else 4)
+    dpbw = _group_bw(gpu, w, w.tp, w.dp)
+    backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
+    if w.dp > 1:
+        if w.zero in (0, 1):
+            # one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
+            # boundary, overlapped with the last micro batch's backward
+            dp_comm = max(ring(w.dp, g_bytes, dpbw, "all-reduce") - backward, 0.0)
+        elif w.zero == 2:
+            # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the
+            # updated parameters after the step
+            rs = ring(w.dp, g_bytes, dpbw, "reduce-scatter")
+            dp_comm = m * max(rs - backward, 0.0) + ring(w.dp, p_bytes, dpbw, "all-gather")
+        else:
+            # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again
+            # in backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
+            per_micro = 2 * ring(w.dp, p_bytes, dpbw, "all-gather") + ring(w.dp, g_bytes, dpbw, "reduce-scatter")
+            dp_comm = m * max(per_micro - compute_micro, 0.0)
+    n_opt = params_per_gpu / (w.dp if w.zero else 1)
+    if w.offload == "none":
+        optimizer = OPTIMIZER_TRAFFIC * state_bytes / bw
+    else:
+        # CPU Adam over the GPUs of a node sharing the host's memory bandwidth, plus the PCIe copies:
+        # half gradients down every micro batch (ZeRO-2/3 partitions), updated half params up
+        cpu = CPU_ADAM_BYTES_PER_PARAM * n_opt * w.gpus / (HOST_MEMORY_GBS * 1e9)
+        pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
+        optimizer = cpu + (m * 2 * n_opt + 2 * n_opt) / pcie
+        if w.offload == "all":  # parameters come up over PCIe for forward and backward of each micro batch
+            optimizer += m * 2 * (params_per_gpu / w.dp) * 2 / pcie
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, optimizer)
+
+
+def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
+               state_bytes: float, params_per_gpu: int | None = None, half: bool = True, mb: int | None = None,
+               m: int | None = None) -> Throughput:
+    mb = w.micro_batch if mb is None else mb
+    m = w.grad_accum if m is None else m
+    seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
+    tokens = mb * seq
+    dtype = COMPUTE_DTYPE[w.precision]
+    peak = gpu.tflops.get(dtype) or gpu.tflops.get("fp32", 1.0)
     if w.task == "infer":
+        eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * spec.hidden_size / (spec.hidden_size + HIDDEN_HALF)
         fwd = 2 * active_params(spec) * tokens
-        t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / bw
-        return Throughput(t, w.micro_batch / t, tokens / t, fwd / (t * peak * 1e12))
-    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
-    micro = hw_f * tokens / (peak * 1e12 * eff) + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
-    step = micro * w.grad_accum + OPTIMIZER_TRAFFIC * state_bytes / bw
-    samples = w.micro_batch * w.grad_accum
-    return Throughput(step, samples / step, samples * seq / step, model_f * samples * seq / (step * peak * 1e12))
+        t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
+        return Throughput(t, mb / t, tokens / t, fwd / (t * peak * 1e12))
+    st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
+                   params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m)
+    step = st.total
+    model_f, _ = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
+    samples = mb * m * w.dp
+    # MFU over all GPUs: model FLOPs of the global batch / (step time * world * peak)
+    return Throughput(step, samples / step, samples * seq / step,
+                      model_f * samples * seq / (step * peak * 1e12 * w.world), st)

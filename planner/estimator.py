@@ -11,11 +11,14 @@ States count from the second step on (created lazily by the first step()), which
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pydantic import BaseModel, ConfigDict
 
-from .activations import Tensors, inference_working_set, training_activations
+from .activations import ActivationModel, Tensors, inference_working_set, training_activations
 from .errors import UserError
 from .modelspec import ModelSpec, ParamGroup
+from .parallel import stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
     ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, OPTIMIZERS, PRECISIONS,
@@ -32,7 +35,8 @@ CUBLAS_WORKSPACE = {False: 4096 * 1024 * 2 + 16 * 1024 * 8, True: 32 << 20}
 ACTIVATION_FRAGMENTATION = 0.10
 
 BREAKDOWN_KEYS = ("weights", "autocast_cache", "gradients", "optimizer_states", "optimizer_temporaries",
-                  "activations", "transient", "kv_cache", "workspace", "allocator_overhead", "cuda_context")
+                  "comm_buffers", "gathered_params", "activations", "transient", "kv_cache", "workspace",
+                  "allocator_overhead", "cuda_context")
 
 
 class ModelInfo(BaseModel):
@@ -65,6 +69,10 @@ class MemoryBreakdown(BaseModel):
     headroom_bytes: int  # usable - device used (negative: does not fit)
     fits: bool
     notes: list[str]
+    # Per GPU: every byte above is one GPU's (the worst pipeline stage's). Host RAM that offload pins,
+    # for all the GPUs of one node (docs/parallel.md).
+    cpu_ram_per_node_bytes: int = 0
+    params_per_gpu: int = 0  # parameters one GPU holds before ZeRO partitioning (after TP / PP)
 
 
 def _rounded(groups: tuple[ParamGroup, ...], bytes_of) -> int:
@@ -107,6 +115,19 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
     if w.attn not in supported_attn(spec):
         raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
                         f"(choose from {', '.join(supported_attn(spec))})")
+    bad = tp_problem(spec, w.tp)
+    if bad:
+        raise UserError(bad)
+    if w.pp > spec.total_layers:
+        raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
+
+
+def tp_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Tensor parallelism splits attention heads and KV heads (AutoTP / Megatron need both divisible)."""
+    if tp > 1 and (spec.num_heads % tp or spec.num_kv_heads % tp):
+        return (f"--tp {tp} must divide {spec.name}'s {spec.num_heads} attention heads and "
+                f"{spec.num_kv_heads} KV heads")
+    return None
 
 
 def check_hardware(gpu: GPUProfile, w: Workload) -> None:
@@ -121,57 +142,92 @@ def check_hardware(gpu: GPUProfile, w: Workload) -> None:
                         "(use --attn sdpa)")
 
 
-def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
-    check_hardware(gpu, w)
-    check_support(spec, w)
+class Peak(NamedTuple):
+    """The estimate without its report: what the search needs for every candidate."""
+
+    parts: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    notes: list[str]
+    per_layer: dict[str, int]
+    allocated: int
+    reserved: int
+    device_used: int
+    cpu_per_gpu: int
+    params_per_gpu: int
+    saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
+    state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
+
+
+def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int | None = None, m: int | None = None) -> Peak:
+    """The three meters of one GPU at the peak moment of a step (no validation of `w` against the
+    hardware: `estimate` does that). mb, m: micro batch and accumulation steps instead of w's (the
+    search evaluates many micro batches of one workload without copying it)."""
+    mb = w.micro_batch if mb is None else mb
+    m = w.grad_accum if m is None else m
     if w.task == "infer":
         parts, phases, peak_phase, act_ts, notes, per_layer = _inference(spec, w)
+        extra = {"cpu": 0, "n_params": spec.params_total, "saved": parts["transient"],
+                 "state": parts["weights"] + parts["kv_cache"], "persistent_segments": _segments(_persistent_tensors(spec, w, list(spec.params))),
+                 "act_segments": _segments([(t.nbytes, t.count) for t in act_ts])}
     else:
-        parts, phases, peak_phase, act_ts, notes, per_layer = _training(spec, w)
+        parts, phases, peak_phase, notes, per_layer, extra = _training(spec, w, mb, m)
     hopper = gpu.compute_capability >= (9, 0)
     parts["workspace"] = CUBLAS_WORKSPACE[hopper]
     allocated = sum(parts.values())
 
     # Reserved: persistent tensors in their own segments, the peak's activation tensors in theirs,
     # plus the fragmentation of the activation churn.
-    persistent = _persistent_tensors(spec, w)
-    reserved = _segments(persistent) + _segments([(t.nbytes, t.count) for t in act_ts])
+    reserved = extra["persistent_segments"] + extra["act_segments"]
     reserved += int(ACTIVATION_FRAGMENTATION * (parts.get("activations", 0) + parts.get("transient", 0)))
     reserved += parts["workspace"]
     reserved = max(reserved, allocated)
     parts["allocator_overhead"] = reserved - allocated
     parts["cuda_context"] = gpu.cuda_context_bytes
-    device_used = reserved + gpu.cuda_context_bytes
+    return Peak(parts, phases, peak_phase, notes, per_layer, int(allocated), int(reserved),
+                int(reserved + gpu.cuda_context_bytes), extra["cpu"], extra["n_params"], extra["saved"],
+                extra["state"])
+
+
+def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
+    check_hardware(gpu, w)
+    check_support(spec, w)
+    return report(spec, gpu, w, peak(spec, gpu, w))
+
+
+def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
     usable = int(gpu.memory_bytes * (1 - w.headroom))
     info = ModelInfo(name=spec.name, hf_id=spec.hf_id, model_type=spec.model_type, head=spec.head,
                      params_total=spec.params_total, params_trainable=spec.params_trainable,
                      params_by_category=spec.params_by_category())
-    breakdown = {k: int(parts.get(k, 0)) for k in BREAKDOWN_KEYS}
+    breakdown = {k: int(p.parts.get(k, 0)) for k in BREAKDOWN_KEYS}
     return MemoryBreakdown(
-        model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=peak_phase,
-        phases={k: int(v) for k, v in phases.items()}, activations_per_layer=per_layer,
-        peak_allocated_bytes=int(allocated), peak_reserved_bytes=int(reserved), device_used_bytes=int(device_used),
-        capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - int(device_used),
-        fits=device_used <= usable, notes=notes,
+        model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=p.peak_phase,
+        phases={k: int(v) for k, v in p.phases.items()}, activations_per_layer=p.per_layer,
+        peak_allocated_bytes=p.allocated, peak_reserved_bytes=p.reserved, device_used_bytes=p.device_used,
+        capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - p.device_used,
+        fits=p.device_used <= usable, notes=p.notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
+        params_per_gpu=p.params_per_gpu,
     )
 
 
-def _persistent_tensors(spec: ModelSpec, w: Workload) -> list[tuple[float, int]]:
-    """Weights, gradients and optimizer states as (bytes, count) tensors, for segment packing."""
+def _persistent_tensors(spec: ModelSpec, w: Workload, groups: list[ParamGroup]) -> list[tuple[float, int]]:
+    """Weights, gradients and optimizer states as (bytes, count) tensors, for segment packing.
+    (DeepSpeed keeps each state in one flat buffer per parameter group: see _make_stage_states.)"""
     out: list[tuple[float, int]] = []
     if w.task == "infer":
         fmt = WEIGHT_FORMATS[w.precision]
-        for g in spec.params:
+        for g in groups:
             out.append((g.numel * _weight_bytes(fmt, g), g.count))
         return out
     prec = PRECISIONS[w.precision]
     rule = OPTIMIZERS[w.optim]
-    for g in spec.params:
+    for g in groups:
         out.append((g.numel * prec.param, g.count))
         if prec.autocast and g.category in LINEAR_CATEGORIES:
             out.append((g.numel * 2, g.count))  # the half copies autocast re-creates every step
         if g.trainable:
-            out.append((g.numel * prec.grad, g.count))
+            out.append((g.numel * prec.grad, g.count * (2 if w.dp > 1 else 1)))  # + DDP's bucket copy
             st = optimizer_state_bytes(rule, g.shape, prec.param, w.momentum > 0)
             n_states = max(rule.states + (1 if rule.momentum_arg and w.momentum > 0 else 0), 1)
             if st:
@@ -184,41 +240,32 @@ def _weight_bytes(fmt, g: ParamGroup) -> float:
     return fmt.linear if quantisable else fmt.other
 
 
-def _tied_head(spec: ModelSpec) -> bool:
-    """The LM head's weight is the input embedding matrix (tie_word_embeddings)."""
-    return spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm")
-
-
-def _tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool) -> int:
+def _tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool, tp: int) -> int:
     """The end of backward for a tied head: autograd holds the head's weight gradient in the input
     buffer of the shared parameter until the embedding's backward produces its own, then adds them
     (torch/csrc/autograd/input_buffer.cpp): two vocab x hidden inputs and the sum coexist with every
     other gradient. With set-to-none the sum becomes .grad (counted as a gradient); with gradients
     already allocated it is a third temporary that AccumulateGrad adds in place."""
-    if not _tied_head(spec):
+    if not tied_head(spec):
         return 0
-    return (3 if grads_live else 2) * round_block(spec.vocab_size * spec.hidden_size * grad_bytes)
+    return (3 if grads_live else 2) * round_block(-(-spec.vocab_size // tp) * spec.hidden_size * grad_bytes)
 
 
-def _autocast_copies(spec: ModelSpec, half: int = 2) -> tuple[int, int]:
+def _autocast_copies(groups: list[ParamGroup], tied: int, half: int = 2) -> tuple[int, int]:
     """(all copies, head copies): half copies of the parameters that autocast casts for matmuls.
-    A tied LM head casts the embedding matrix, so that copy exists too."""
-    groups = [g for g in spec.params if g.category in LINEAR_CATEGORIES]
-    all_c = _rounded(tuple(groups), lambda g: g.numel * half)
-    head_c = _rounded(tuple(g for g in groups if g.category == "head"), lambda g: g.numel * half)
-    if _tied_head(spec):
-        tied = round_block(spec.vocab_size * spec.hidden_size * half)
-        all_c += tied
-        head_c += tied
+    A tied LM head casts the embedding matrix (`tied` elements), so that copy exists too."""
+    lin = tuple(g for g in groups if g.category in LINEAR_CATEGORIES)
+    all_c = _rounded(lin, lambda g: g.numel * half)
+    head_c = _rounded(tuple(g for g in lin if g.category == "head"), lambda g: g.numel * half)
+    all_c += round_block(tied * half)
+    head_c += round_block(tied * half)
     return all_c, head_c
 
 
-def _head_grads(spec: ModelSpec, grad_bytes: float) -> int:
+def _head_grads(groups: list[ParamGroup], tied: int, grad_bytes: float) -> int:
     """Gradients allocated first in backward: the head (or the tied embedding matrix)."""
-    g = _rounded(tuple(x for x in spec.params if x.category == "head" and x.trainable), lambda x: x.numel * grad_bytes)
-    if _tied_head(spec):
-        g += round_block(spec.vocab_size * spec.hidden_size * grad_bytes)
-    return g
+    g = _rounded(tuple(x for x in groups if x.category == "head" and x.trainable), lambda x: x.numel * grad_bytes)
+    return g + round_block(tied * grad_bytes)
 
 
 def _per_layer_terms(layer: list[Tensors]) -> dict[str, int]:
@@ -228,79 +275,234 @@ def _per_layer_terms(layer: list[Tensors]) -> dict[str, int]:
     return out
 
 
-def _training(spec: ModelSpec, w: Workload):
+def in_flight(w: Workload, stage: int, m: int) -> float:
+    """Micro batches whose activations stage `stage` holds at once under 1F1B: pp - stage, at most
+    the micro batches of the step; the interleaved schedule (vpp virtual stages) holds
+    1 + (pp - 1) / (pp * vpp) times more on the first stage (Narayanan et al. 2021; Megatron's
+    theoretical_memory_usage.py, interleaved_schedule_memory_penalty)."""
+    n = min(w.pp - stage, m)
+    if w.vpp > 1 and stage == 0:
+        n = min(n * (1 + (w.pp - 1) / (w.pp * w.vpp)), m)
+    return n
+
+
+def stage_layers(spec: ModelSpec, pp: int, stage: int) -> tuple[int, int]:
+    """(encoder-or-decoder-only layers, decoder layers of an encoder-decoder) on one pipeline stage."""
+    L = spec.total_layers
+    per = -(-L // pp)
+    lo, hi = stage * per, min(L, (stage + 1) * per)
+    enc = max(0, min(hi, spec.num_layers) - lo)
+    return enc, max(0, hi - lo - enc)
+
+
+def _training(spec: ModelSpec, w: Workload, mb: int, m: int):
+    """The worst pipeline stage (the first holds the most activations, the last the head and loss)."""
+    best = _training_stage(spec, w, 0, mb, m)
+    if w.pp > 1:
+        r = _training_stage(spec, w, w.pp - 1, mb, m)
+        if max(r[1].values()) > max(best[1].values()):
+            best = r
+    return best
+
+
+def deepspeed(w: Workload) -> bool:
+    """DeepSpeed runs the step: any ZeRO stage, or pipeline parallelism (its PipelineEngine)."""
+    return w.zero > 0 or w.pp > 1
+
+
+_MEMO: dict = {}
+
+
+def _memo(spec: ModelSpec, key: tuple, make):
+    """Results that depend on the spec and a few workload fields, shared by the search's candidates.
+    The spec is kept with the value, so a recycled id() never returns another model's numbers."""
+    k = (id(spec),) + key
+    hit = _MEMO.get(k)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_MEMO) > 100_000:
+        _MEMO.clear()
+    value = make()
+    _MEMO[k] = (spec, value)
+    return value
+
+
+def _train_precision(w: Workload):
     prec = PRECISIONS[w.precision]
+    if deepspeed(w) and prec.autocast:  # DeepSpeed casts the model to half: pure half activations
+        prec = PRECISIONS[f"{prec.half}-pure"]
+    return prec
+
+
+class StageStates(NamedTuple):
+    """Everything of one pipeline stage's GPU that does not depend on the micro batch."""
+
+    groups: list[ParamGroup]
+    weights: int
+    grads: int
+    states: int
+    temp: int
+    comm: int
+    gathered: int
+    cpu: int
+    grads_persistent: bool
+    tied: int
+    c_all: int
+    c_head: int
+    head_grads: int
+    persistent_segments: int
+    n_params: int
+    n_enc: int  # layers on this stage
+    n_dec: int
+
+
+def _stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) -> StageStates:
+    key = ("states", stage, w.tp, w.pp, w.zero, w.dp, w.offload, w.precision, w.optim, w.momentum > 0,
+           accumulating)
+    return _memo(spec, key, lambda: _make_stage_states(spec, w, stage, accumulating))
+
+
+def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) -> StageStates:
+    prec = _train_precision(w)
     rule = OPTIMIZERS[w.optim]
-    notes: list[str] = []
-    trainable = tuple(g for g in spec.params if g.trainable)
-    weights = _rounded(spec.params, lambda g: g.numel * prec.param)
-    grads = _rounded(trainable, lambda g: g.numel * prec.grad)
-    states = sum(round_block(optimizer_state_bytes(rule, g.shape, prec.param, w.momentum > 0)) * g.count
-                 for g in trainable)
-    temp = 0
-    if rule.foreach_temp:
-        temp = _rounded(trainable, lambda g: g.numel * prec.param * rule.foreach_temp)
-    if rule.per_tensor_temp:
-        temp = int(rule.per_tensor_temp * round_block(spec.largest_tensor * 4))
-    if rule.paged:
-        notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
-
-    am = training_activations(spec, w.micro_batch, w.seq_len, prec, w.attn, selective=w.grad_ckpt == "selective",
-                              kv_cache=w.grad_ckpt != "full")
-    layer_b = _rounded_tensors(am.layer)
-    dec_b = _rounded_tensors(am.decoder_layer)
-    other_b = _rounded_tensors(am.other)
-    n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
-    lsm = _rounded_tensors([t for t in am.other if t.name.startswith("log_softmax")])
-    if w.grad_ckpt == "full":
-        acts = (n_enc + n_dec) * _rounded_tensors(am.layer_input) + other_b
-        recompute = max(layer_b, dec_b)  # one layer's activations, rebuilt during its backward
+    ds = deepspeed(w)
+    last = stage == w.pp - 1
+    groups = stage_params(spec, w.tp, w.pp, stage)
+    tied = -(-spec.vocab_size // w.tp) * spec.hidden_size if (tied_head(spec) and last and w.pp == 1) else 0
+    trainable = tuple(g for g in groups if g.trainable)
+    comm = gathered = cpu = temp = 0
+    if ds:
+        z = zero_states(groups, spec, zero=w.zero, dp=w.dp, offload=w.offload, half=prec.half is not None,
+                        moments=rule.states * 4, accumulating=accumulating)
+        weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
+                                                       z.gathered, z.cpu)
+        temp, grads_persistent = z.step_transient, z.grads_persistent
+        persistent = [(weights, 1), (grads, 1), (states, 1), (comm, 1), (gathered, 1), (temp, 1)]
     else:
-        acts = n_enc * layer_b + n_dec * dec_b + other_b
-        # selective: one layer's attention core is rebuilt during that layer's backward
-        recompute = _rounded_tensors(am.layer_core) if w.grad_ckpt == "selective" else 0
+        weights = _rounded(groups, lambda g: g.numel * prec.param)
+        grads = _rounded(trainable, lambda g: g.numel * prec.grad)
+        states = sum(round_block(optimizer_state_bytes(rule, g.shape, prec.param, w.momentum > 0)) * g.count
+                     for g in trainable)
+        if rule.foreach_temp:
+            temp = _rounded(trainable, lambda g: g.numel * prec.param * rule.foreach_temp)
+        if rule.per_tensor_temp:
+            temp = int(rule.per_tensor_temp * round_block(max((g.numel for g in groups), default=0) * 4))
+        if w.dp > 1:  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
+            comm = grads
+        grads_persistent = False
+        persistent = _persistent_tensors(spec, w, groups)
+    c_all, c_head = _autocast_copies(groups, tied) if prec.autocast else (0, 0)
+    return StageStates(groups, weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
+                       c_all, c_head, _head_grads(groups, tied, prec.grad), _segments(persistent),
+                       sum(g.numel * g.count for g in groups), *stage_layers(spec, w.pp, stage))
 
-    c_all, c_head = _autocast_copies(spec) if prec.autocast else (0, 0)
+
+class StageActs(NamedTuple):
+    """Rounded byte sums of one micro batch's activation lists (see ActivationModel)."""
+
+    am: ActivationModel
+    layer: int
+    decoder_layer: int
+    embed: int
+    head: int
+    lsm: int
+    layer_input: int
+    layer_core: int
+    loss_forward: int
+    loss_backward: int
+    layer_backward: int
+    per_layer: dict[str, int]
+
+
+def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
+    prec = _train_precision(w)
+    key = ("acts", mb, w.seq_len, prec.name, w.attn, w.grad_ckpt, w.tp, w.sp)
+
+    def make() -> StageActs:
+        am = training_activations(spec, mb, w.seq_len, prec, w.attn,
+                                  selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
+                                  sp=w.sp)
+        r = _rounded_tensors
+        return StageActs(am, r(am.layer), r(am.decoder_layer), r(am.embed), r(am.head_saved),
+                         r([t for t in am.head_saved if t.name.startswith("log_softmax")]), r(am.layer_input),
+                         r(am.layer_core), r(am.loss_forward), r(am.loss_backward), r(am.layer_backward),
+                         _per_layer_terms(am.layer))
+    return _memo(spec, key, make)
+
+
+def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
+    st = _stage_states(spec, w, stage, m > 1)
+    sa = _stage_acts(spec, w, mb)
+    am = sa.am
+    ds = w.zero > 0 or w.pp > 1
+    notes: list[str] = []
+    first, last = stage == 0, stage == w.pp - 1
+    n_enc, n_dec = st.n_enc, st.n_dec
     n_layers = n_enc + n_dec
-    c_layer = (c_all - c_head) // max(n_layers, 1)
-    c_bwd = (c_head + c_layer) if w.grad_ckpt == "full" else c_all
+    flight = in_flight(w, stage, m) if w.pp > 1 else 1
+    embed_b = sa.embed if first else 0
+    head_b = sa.head if last else 0
+    lsm = sa.lsm if last else 0
+    if w.grad_ckpt == "full":
+        acts = flight * (n_layers * sa.layer_input + embed_b) + head_b
+        recompute = max(sa.layer, sa.decoder_layer)  # one layer's activations, rebuilt during its backward
+    else:
+        acts = flight * (n_enc * sa.layer + n_dec * sa.decoder_layer + embed_b) + head_b
+        # selective: one layer's attention core is rebuilt during that layer's backward
+        recompute = sa.layer_core if w.grad_ckpt == "selective" else 0
+    acts = int(acts)
 
-    grads_in_fwd = w.zero_grad == "zeros" or w.grad_accum > 1
-    g_live = grads if grads_in_fwd else 0
-    g_head = 0 if grads_in_fwd else _head_grads(spec, prec.grad)
-    loss_fwd = _rounded_tensors(am.loss_forward)
-    loss_bwd = _rounded_tensors(am.loss_backward)
-    layer_bwd = _rounded_tensors(am.layer_backward)
+    c_all = st.c_all
+    c_bwd = (st.c_head + (c_all - st.c_head) // max(n_layers, 1)) if w.grad_ckpt == "full" else c_all
+    grads_in_fwd = w.zero_grad == "zeros" or m > 1 or st.grads_persistent
+    g_live = st.grads if grads_in_fwd else 0
+    g_head = 0 if grads_in_fwd else st.head_grads
+    loss_fwd = sa.loss_forward if last else 0
+    loss_bwd = sa.loss_backward if last else 0
 
-    base = weights + states + g_live
+    weights, states, grads, comm = st.weights, st.states, st.grads, st.comm
+    base = weights + states + g_live + comm + st.gathered
     phases = {
         "forward-loss": base + c_all + acts + loss_fwd,
         "backward-start": base + c_bwd + acts + loss_bwd,
-        "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + layer_bwd,
-        "optimizer-step": weights + grads + states + temp,
+        "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + sa.layer_backward,
+        "optimizer-step": weights + grads + states + st.temp + comm,
     }
-    tied_sum = _tied_grad_sum(spec, prec.grad, grads_in_fwd)
+    tied_sum = _tied_grad_sum(spec, PRECISIONS[w.precision].grad, grads_in_fwd, w.tp) if (st.tied and not ds) else 0
     if tied_sum:
-        phases["backward-end"] = weights + states + grads + tied_sum
+        phases["backward-end"] = weights + states + grads + comm + tied_sum
     peak_phase = max(phases, key=lambda k: phases[k])
-    parts = {"weights": weights, "optimizer_states": states}
+    parts = {"weights": weights, "optimizer_states": states, "comm_buffers": comm}
+    act_segments = 0
     if peak_phase in ("optimizer-step", "backward-end"):
-        parts |= {"gradients": grads, "optimizer_temporaries": temp if peak_phase == "optimizer-step" else 0,
+        parts |= {"gradients": grads, "optimizer_temporaries": st.temp if peak_phase == "optimizer-step" else 0,
                   "transient": tied_sum if peak_phase == "backward-end" else 0}
-        act_ts: list[Tensors] = []
     else:
+        parts["gathered_params"] = st.gathered
         parts["gradients"] = g_live + (g_head if peak_phase == "backward-layer" else 0)
         parts["autocast_cache"] = c_all if peak_phase == "forward-loss" else c_bwd
         parts["activations"] = acts - (lsm if peak_phase == "backward-layer" else 0)
         parts["transient"] = {"forward-loss": loss_fwd, "backward-start": loss_bwd,
-                              "backward-layer": recompute + layer_bwd}[peak_phase]
-        per = am.layer_input if w.grad_ckpt == "full" else am.layer
-        act_ts = [Tensors(t.name, t.nbytes, t.count * (n_enc + n_dec)) for t in per] + am.other
-        act_ts += {"forward-loss": am.loss_forward, "backward-start": am.loss_backward,
-                   "backward-layer": am.layer_backward}[peak_phase]
-    if w.grad_accum > 1:
+                              "backward-layer": recompute + sa.layer_backward}[peak_phase]
+        copies = n_layers * max(1, round(flight))
+
+        def segments() -> int:
+            per = am.layer_input if w.grad_ckpt == "full" else am.layer
+            ts = [(t.nbytes, t.count * copies) for t in per]
+            ts += [(t.nbytes, t.count) for t in (am.embed if first else []) + (am.head_saved if last else [])]
+            if last:
+                ts += [(t.nbytes, t.count) for t in {"forward-loss": am.loss_forward, "backward-start": am.loss_backward,
+                                                     "backward-layer": am.layer_backward}[peak_phase]]
+            return _segments(ts)
+        act_segments = _memo(spec, ("segments", id(am), copies, first, last, peak_phase), segments)
+    if m > 1 and not ds:
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
-    return parts, phases, peak_phase, act_ts, notes, _per_layer_terms(am.layer)
+    if w.pp > 1:
+        notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({n_layers} layers, "
+                     f"{flight:g} micro batches in flight)")
+    extra = {"cpu": st.cpu, "n_params": st.n_params, "persistent_segments": st.persistent_segments,
+             "act_segments": act_segments, "saved": acts, "state": weights + grads + states}
+    return parts, phases, peak_phase, notes, sa.per_layer, extra
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:
@@ -322,7 +524,8 @@ def _inference(spec: ModelSpec, w: Workload):
     notes: list[str] = []
     weights = _rounded(spec.params, lambda g: g.numel * _weight_bytes(fmt, g))
     autocast = w.precision in ("fp16", "bf16")
-    cache = _autocast_copies(spec)[0] if autocast else 0
+    tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
+    cache = _autocast_copies(list(spec.params), tied)[0] if autocast else 0
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
     if generate and spec.arch in ("encoder", "vision"):

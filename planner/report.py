@@ -34,8 +34,14 @@ def _workload_line(e: MemoryBreakdown) -> str:
     if w.task == "infer":
         gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
         return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
-    return (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
+    line = (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
             f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}")
+    if w.world > 1 or w.zero:
+        line += (f"\n{w.world} GPUs ({w.nodes} x {w.gpus}): dp {w.dp} x tp {w.tp}{' + SP' if w.sp else ''} x pp {w.pp}"
+                 f"{f' (interleaved x{w.vpp})' if w.vpp > 1 else ''}, "
+                 + (f"DeepSpeed ZeRO-{w.zero}" if w.zero else ("DeepSpeed pipeline" if w.pp > 1 else "torch DDP"))
+                 + (f", offload {w.offload}" if w.offload != "none" else "") + "; every number is per GPU")
+    return line
 
 
 def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
@@ -62,32 +68,28 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
     c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
             f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
+    if e.cpu_ram_per_node_bytes:
+        c.print(f"offload: {gib(e.cpu_ram_per_node_bytes)} of host RAM per node ({e.workload.gpus} GPUs)")
     for n in e.notes:
         c.print(f"note: {n}")
 
 
 def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
     c = console or globals()['console']()
-    c.print(f"[bold]{s.model}[/] on [bold]{s.gpu}[/], {s.task}: seq {s.seq_len}, global batch {s.global_batch}")
+    world = s.gpus * s.nodes
+    on = f"{world} x [bold]{s.gpu}[/] ({s.nodes} node(s) of {s.gpus})" if world > 1 else f"[bold]{s.gpu}[/]"
+    c.print(f"[bold]{s.model}[/] on {on}, {s.task}: seq {s.seq_len}, global batch {s.global_batch}")
     if s.defaults:
         c.print("defaults: " + "; ".join(s.defaults))
-    c.print(f"searched {s.candidates} candidates: " + "; ".join(f"{k} {'/'.join(v)}" for k, v in s.searched.items()))
+    c.print(f"searched {s.candidates:,} candidates in {s.search_seconds:.2f} s: "
+            + "; ".join(f"{k} {'/'.join(v)}" for k, v in s.searched.items()))
     if not s.plans:
         for n in s.notes:
             c.print(f"[red]{n}[/]")
     else:
         train = s.task == "train"
-        cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
-        t = Table(show_header=True, header_style="bold")
-        for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
-            t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn") else "right")
-        for i, p in enumerate(s.plans, 1):
-            e = p.estimate
-            knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
-                     else (str(p.micro_batch), p.precision, p.attn))
-            t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
-                      f"{p.tokens_per_s:,.0f}")
-        c.print(t)
+        multi = train and (world > 1 or any(p.zero_stage for p in s.plans))
+        _plan_table(c, s.plans, train, multi)
         best = s.plans[0]
         if not train:
             c.print(f"best: batch {best.micro_batch}, {best.precision}, attn {best.attn}; predicted peak "
@@ -97,6 +99,18 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
                     f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}; predicted "
                     f"peak {gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)} "
                     f"(at {best.estimate.peak_phase})")
+        if multi:
+            c.print(f"layout: dp {best.dp} x tp {best.tp}{' + SP' if best.sp else ''} x pp {best.pp}"
+                    f"{f' (interleaved x{best.vpp})' if best.vpp > 1 else ''}, ZeRO-{best.zero_stage}, offload "
+                    f"{best.offload}; MFU {best.mfu:.0%}; step {best.step_seconds:.2f} s = "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in best.step_terms.items() if v))
+        if s.why:
+            c.print("[bold]why this plan[/] (the best plan that changes one knob):")
+            for line in s.why:
+                c.print(f"  {line}")
+        if len(s.pareto) > 1:
+            c.print(f"[bold]Pareto front[/] (memory vs speed, {len(s.pareto)} plans):")
+            _plan_table(c, s.pareto, train, multi)
     for a in s.alternatives:
         c.print(f"also fits: {a.change}: {a.gain}")
     for n in s.notes if s.plans else ():
@@ -126,3 +140,22 @@ def print_verify(r) -> None:
         c.print("attention kernels (as CUDA would pick): " + ", ".join(f"{k} x{n}" for k, n in r.sdpa_kernels.items()))
     for n in r.notes:
         c.print(f"note: {n}")
+
+
+def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
+    cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
+    if multi:
+        cols += ("dp", "tp", "pp", "zero", "offload")
+    t = Table(show_header=True, header_style="bold")
+    for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
+        t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload") else "right")
+    for i, p in enumerate(plans, 1):
+        e = p.estimate
+        knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
+                 else (str(p.micro_batch), p.precision, p.attn))
+        if multi:
+            knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
+                      str(p.zero_stage), p.offload)
+        t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
+                  f"{p.tokens_per_s:,.0f}")
+    c.print(t)

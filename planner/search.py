@@ -1,27 +1,43 @@
-"""`suggest`: search the single-GPU knobs, keep the plans that fit, rank them by predicted speed.
+"""`suggest`: search every knob over the GPUs, keep the plans that fit, rank them (docs/parallel.md).
+
+The space: tensor x pipeline x data parallel degrees over `gpus * nodes` GPUs (TP inside a node, and
+dividing the attention and KV heads), sequence parallelism with TP, the interleaved pipeline schedule,
+ZeRO stage 0-3 with optimizer / parameter offload, and every single-GPU knob: micro batch (the global
+batch is micro x accumulation x dp exactly), checkpointing, precision, optimizer, attention.
+
+Pruning, only where a pruned candidate provably cannot win: for one setting of every other knob the
+memory grows with the micro batch (property-tested), so once a micro batch does not fit no larger one
+is evaluated, except the one without accumulation (its gradients are not alive in the forward).
 
 Knobs that change the training mathematics (optimizer, pure bf16, fp32 vs mixed precision) are
 searched only when the user allows them; otherwise the best alternative that would change them is
-reported with what it would gain. Multi-GPU degrees (dp/tp/pp/zero) are fixed at 1/1/1/0 here.
+reported with what it would gain.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cost import throughput
 from .errors import UserError
-from .estimator import MemoryBreakdown, check_hardware, estimate, supported_attn
+from .estimator import MemoryBreakdown, check_hardware, peak, report, supported_attn, tp_problem
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
-from .workload import Workload, canonical_optim
+from .workload import DEEPSPEED_OPTIMS, Workload, canonical_optim
 
 DEFAULT_GLOBAL_BATCH = 32
 ATTNS = ("flash", "sdpa", "eager")
 CKPTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "all")
+OBJECTIVES = ("throughput", "min-gpus", "headroom")
+# FSDP's sharding strategy with the same partitioning, for accelerate users (PyTorch FSDP docs:
+# FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, HYBRID_SHARD = FULL_SHARD inside a node, replicas across)
+FSDP_EQUIVALENT = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
 
 
 class Plan(BaseModel):
@@ -43,6 +59,14 @@ class Plan(BaseModel):
     tokens_per_s: float
     mfu: float
     estimate: MemoryBreakdown
+    sp: bool = False
+    vpp: int = 1
+    offload: str = "none"
+    gpus: int = 1
+    nodes: int = 1
+    fsdp_equivalent: str | None = None  # accelerate FSDP sharding strategy with the same partitioning
+    step_seconds: float = 0.0
+    step_terms: dict[str, float] = {}  # seconds per step by cost term (docs/cost-model.md)
 
 
 class Alternative(BaseModel):
@@ -57,10 +81,16 @@ class Suggestion(BaseModel):
     task: str
     seq_len: int
     global_batch: int
+    gpus: int = 1
+    nodes: int = 1
+    objective: str = "throughput"
     defaults: list[str]  # the defaults memplan chose, said out loud
     searched: dict[str, list[str]]
     candidates: int
+    search_seconds: float = 0.0
     plans: list[Plan]
+    pareto: list[Plan] = []  # fitting plans no other plan beats on both memory and speed, least memory first
+    why: list[str] = []  # for the first plan: what each alternative would cost
     alternatives: list[Alternative]
     notes: list[str]
 
@@ -88,7 +118,7 @@ def _parse_choice(value: str | None, every: Iterable[str], default: list[str], w
     if value.strip().lower() == "any":
         return list(every)
     out = []
-    for item in value.split(","):
+    for item in str(value).split(","):
         item = canon(item.strip().lower())
         if item not in every:
             raise UserError(f"unknown {what} {item!r} (choose from {', '.join(every)}, or 'any')")
@@ -96,58 +126,206 @@ def _parse_choice(value: str | None, every: Iterable[str], default: list[str], w
     return out
 
 
-def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, global_batch: int) -> Plan | None:
-    try:
-        check_hardware(gpu, w)
-    except UserError:
+def _parse_ints(value, every: list[int], what: str) -> list[int]:
+    if value is None or str(value).strip().lower() == "any":
+        return every
+    out = []
+    for item in str(value).split(","):
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise UserError(f"--{what}: expected a number, a comma list or 'any', got {item!r}") from None
+    return out
+
+
+class Candidate(NamedTuple):
+    """One evaluated plan, kept light: the Plan document is built only for what is shown."""
+
+    base: Workload  # every knob but the micro batch and accumulation
+    mb: int
+    m: int
+    device_used: int
+    headroom: int
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    step: object  # cost.StepTime
+
+    @property
+    def w(self) -> Workload:
+        return self.base.model_copy(update={"micro_batch": self.mb, "grad_accum": self.m})
+
+
+def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: list[str]):
+    """(tp, pp, dp) over the GPUs: TP inside a node dividing the heads, PP over the layers, and a DP
+    degree that divides the global batch."""
+    skipped = []
+    for tp in tps:
+        if world % tp or tp > gpus or tp_problem(spec, tp):
+            continue
+        for pp in pps:
+            if (world // tp) % pp or pp > spec.total_layers:
+                continue
+            dp = world // (tp * pp)
+            if gb % dp:
+                skipped.append(f"tp {tp} x pp {pp} (dp {dp})")
+                continue
+            yield tp, pp, dp
+    if skipped:
+        notes.append(f"global batch {gb} is not divisible by the data-parallel degree of: {', '.join(skipped[:4])}"
+                     + (" ..." if len(skipped) > 4 else ""))
+
+
+def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int,
+              cpu_mem: int | None) -> Candidate | None:
+    p = peak(spec, gpu, w, mb, m)
+    if p.device_used > usable or (cpu_mem is not None and p.cpu_per_gpu * w.gpus > cpu_mem):
         return None
-    est = estimate(spec, gpu, w)
-    if not est.fits:
-        return None
-    b = est.breakdown
-    acts = b["activations"] if w.task == "train" else b["transient"]
-    state = b["weights"] + b["gradients"] + b["optimizer_states"] if w.task == "train" else b["weights"] + b["kv_cache"]
-    thr = throughput(spec, gpu, w, acts, state)
-    return Plan(micro_batch=w.micro_batch, grad_accum=w.grad_accum, global_batch=global_batch,
-                precision=w.precision, optim=w.optim, grad_ckpt=w.grad_ckpt, attn=w.attn, seq_len=w.seq_len,
-                samples_per_s=thr.samples_per_s, tokens_per_s=thr.tokens_per_s, mfu=thr.mfu, estimate=est)
+    half = w.precision != "fp32"
+    thr = throughput(spec, gpu, w, p.saved_activations, p.state_bytes, p.params_per_gpu, half, mb, m)
+    return Candidate(w, mb, m, p.device_used, usable - p.device_used, thr.samples_per_s, thr.tokens_per_s, thr.mfu,
+                     thr.terms)
 
 
-def _rank_key(p: Plan) -> tuple:
-    # fastest first; ties: more headroom, then fewer accumulation steps
-    return (-round(p.samples_per_s, 6), -p.estimate.headroom_bytes, p.grad_accum)
+def _rank_key(c: Candidate, objective: str) -> tuple:
+    w = c.base
+    # deterministic: ties go to more headroom, fewer GPUs in TP/PP, then the knob values themselves
+    tail = (-c.headroom, w.tp * w.pp, w.zero, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
+            w.optim, w.sp, w.vpp)
+    if objective == "headroom":
+        return (-c.headroom, -round(c.samples_per_s, 6)) + tail
+    return (-round(c.samples_per_s, 6),) + tail
 
 
-def _search(spec, gpu, task, seq, global_batch, precisions, optims, ckpts, attns, momentum, headroom, zero_grad):
-    plans: list[Plan] = []
+class Space(NamedTuple):
+    precisions: list[str]
+    optims: list[str]
+    ckpts: list[str]
+    attns: list[str]
+    tps: list[int]
+    pps: list[int]
+    zeros: list[int]
+    offloads: list[str]
+    sps: list[bool]
+    vpps: list[int]
+
+
+def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
+            common: dict, cpu_mem: int | None, notes: list[str]) -> tuple[list[Candidate], int]:
+    world = gpus * nodes
+    found: list[Candidate] = []
     n = 0
-    micro_batches = _divisors(global_batch)
-    for prec in precisions:
-        for optim in optims:
-            for ckpt in ckpts:
-                for attn in attns:
-                    for mb in micro_batches:
-                        try:
-                            w = Workload(task=task, micro_batch=mb, seq_len=seq, grad_accum=global_batch // mb,
-                                         precision=prec, optim=optim, grad_ckpt=ckpt, attn=attn, momentum=momentum,
-                                         headroom=headroom, zero_grad=zero_grad)
-                        except ValueError:
-                            break  # e.g. flash with fp32: no micro batch makes it valid
-                        n += 1
-                        plan = _evaluate(spec, gpu, w, global_batch)
-                        if plan is None:
-                            break  # memory only grows with the micro batch (property-tested)
-                        plans.append(plan)
-    plans.sort(key=_rank_key)
-    return plans, n
+    usable = int(gpu.memory_bytes * (1 - common["headroom"]))
+    for tp, pp, dp in _layouts(spec, world, gpus, sp_.tps, sp_.pps, gb, notes):
+        per_rank = gb // dp
+        mbs = _divisors(per_rank)
+        for zero in sp_.zeros:
+            if pp > 1 and zero > 1:
+                continue  # DeepSpeed's pipeline engine refuses ZeRO-2/3
+            for offload in sp_.offloads:
+                if (offload != "none" and zero == 0) or (offload == "all" and zero != 3):
+                    continue
+                if world == 1 and zero and offload == "none":
+                    continue  # one GPU: ZeRO without offload partitions nothing (ZeRO-Offload is the case)
+                for sp in (sp_.sps if tp > 1 else [False]):
+                    for vpp in (sp_.vpps if pp > 1 else [1]):
+                        if vpp > 1 and (spec.total_layers % (pp * vpp)):
+                            continue
+                        for prec in sp_.precisions:
+                            for optim in sp_.optims:
+                                if zero and optim not in DEEPSPEED_OPTIMS:
+                                    continue
+                                for ckpt in sp_.ckpts:
+                                    for attn in sp_.attns:
+                                        try:
+                                            base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank,
+                                                            precision=prec, optim=optim, grad_ckpt=ckpt, attn=attn,
+                                                            gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
+                                                            zero=zero, offload=offload, **common)
+                                            check_hardware(gpu, base)
+                                        except (ValidationError, UserError):
+                                            continue
+                                        last_failed = False
+                                        for mb in mbs:
+                                            if last_failed and mb != per_rank:
+                                                continue  # provably does not fit (monotone in the micro batch)
+                                            if vpp > 1 and (per_rank // mb) % pp:
+                                                continue  # the interleaved schedule needs m % pp == 0
+                                            n += 1
+                                            c = _evaluate(spec, gpu, base, mb, per_rank // mb, usable, cpu_mem)
+                                            if c is None:
+                                                last_failed = True
+                                                continue
+                                            found.append(c)
+    return found, n
+
+
+def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
+    w = c.w
+    est = report(spec, gpu, w, peak(spec, gpu, w))
+    st = c.step
+    terms = {k: getattr(st, k) for k in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")} if st else {}
+    return Plan(micro_batch=w.micro_batch, grad_accum=w.grad_accum, global_batch=w.global_batch, dp=w.dp, tp=w.tp,
+                pp=w.pp, zero_stage=w.zero, precision=w.precision, optim=w.optim, grad_ckpt=w.grad_ckpt, attn=w.attn,
+                seq_len=w.seq_len, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
+                estimate=est, sp=w.sp, vpp=w.vpp, offload=w.offload, gpus=w.gpus, nodes=w.nodes,
+                fsdp_equivalent=(FSDP_EQUIVALENT[w.zero] if w.task == "train" and w.world > 1 and w.tp == w.pp == 1
+                                 else None),
+                step_seconds=st.total if st else 0.0, step_terms=terms)
+
+
+def pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Plans that no other plan beats on both device memory and samples/s, least memory first."""
+    front: list[Candidate] = []
+    best = -1.0
+    for c in sorted(cands, key=lambda c: (c.device_used, -c.samples_per_s)):
+        if c.samples_per_s > best:
+            front.append(c)
+            best = c.samples_per_s
+    return front
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:+.1f} GiB"
+
+
+def _why(best: Candidate, cands: list[Candidate]) -> list[str]:
+    """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
+    again): what it would cost in memory and speed."""
+    w = best.base
+    knobs = {"zero": "ZeRO-{}", "offload": "offload {}", "tp": "TP {}", "pp": "PP {}", "sp": "SP {}",
+             "grad_ckpt": "checkpointing {}", "attn": "attention {}", "vpp": "interleave {}"}
+    fixed = ("zero", "offload", "tp", "pp", "sp", "grad_ckpt", "attn", "vpp", "precision", "optim")
+    out = []
+    for knob, label in knobs.items():
+        seen: dict = {}
+        for c in cands:
+            v = getattr(c.base, knob)
+            if v == getattr(w, knob) or any(getattr(c.base, k) != getattr(w, k) for k in fixed if k != knob):
+                continue
+            if v not in seen or c.samples_per_s > seen[v].samples_per_s:
+                seen[v] = c
+        for v, c in sorted(seen.items(), key=lambda kv: str(kv[0])):
+            mem = c.device_used - best.device_used
+            speed = c.samples_per_s / best.samples_per_s - 1
+            out.append(f"{label.format(v)} instead of {label.format(getattr(w, knob))}: {_gib(mem)}, "
+                       f"{speed:+.0%} tokens/s (micro batch {c.mb})")
+    return out
 
 
 def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: int | None = None,
             global_batch: int | None = None, precision: str | None = None, optim: str | None = None,
             grad_ckpt: str | None = None, attn: str | None = None, momentum: float = 0.0,
-            headroom: float = 0.05, zero_grad: str = "set-to-none", top: int = 5) -> Suggestion:
+            headroom: float = 0.05, zero_grad: str = "set-to-none", top: int = 5, gpus: int = 1, nodes: int = 1,
+            zero=None, offload: str | None = None, tp=None, pp=None, sp: str | None = None, vpp=None,
+            cpu_mem: int | None = None, net_gbs: float | None = None, objective: str = "throughput") -> Suggestion:
+    t0 = time.perf_counter()
     if top < 1:
         raise UserError("--top must be at least 1")
+    if gpus < 1 or nodes < 1:
+        raise UserError("--gpus and --nodes must be at least 1")
+    if objective not in OBJECTIVES:
+        raise UserError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})")
     defaults: list[str] = []
     seq = seq_len or default_seq_len(spec, task)
     if seq_len is None:
@@ -175,38 +353,126 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     ckpts = _parse_choice(grad_ckpt, CKPTS, list(CKPTS) if task == "train" else ["none"], "checkpointing")
     attns = _parse_choice(attn, ATTNS, [a for a in supported_attn(spec) if a != "flash" or gpu.flash_attention],
                           "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a))
-
-    plans, n = _search(spec, gpu, task, seq, gb, precisions, optims, ckpts, attns, momentum, headroom, zero_grad)
+    world = gpus * nodes
+    train = task == "train"
+    space = Space(
+        precisions, optims, ckpts, attns,
+        tps=_parse_ints(tp, _divisors(gpus), "tp"),
+        pps=_parse_ints(pp, _divisors(world) if train else [1], "pp"),
+        zeros=_parse_ints(zero, [0, 1, 2, 3] if train else [0], "zero"),
+        offloads=_parse_choice(offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
+        sps=[s == "on" for s in _parse_choice(sp, ("off", "on"), ["off", "on"], "sp")],
+        vpps=_parse_ints(vpp, [1, 2], "vpp"),
+    )
+    common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
+    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, notes)
+    shown_world = (gpus, nodes)
+    if objective == "min-gpus" and found:
+        # the fewest GPUs of this kind (whole nodes past one node) on which some plan fits
+        for g, nn in _smaller_worlds(gpus, nodes):
+            f2, m = _search(spec, gpu, task, seq, gb, g, nn, space, common, cpu_mem, [])
+            n += m
+            if f2:
+                found, shown_world = f2, (g, nn)
+                break
+    found.sort(key=lambda c: _rank_key(c, objective))
+    plans = [_plan(spec, gpu, c) for c in found[:top]]
+    front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
+    why = _why(found[0], found) if found else []
+    if objective == "min-gpus" and found:
+        notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
+                     f"{shown_world[0]})")
+    if found and any(c.base.offload != "none" for c in found[:top]):
+        need = max(_plan_cpu(spec, gpu, c) for c in found[:top])
+        notes.append(f"offload pins up to {need / 2**30:,.0f} GiB of host RAM per node"
+                     + ("" if cpu_mem else " (not checked: give --cpu-mem)"))
+
     alternatives: list[Alternative] = []
-    # what the knobs the user did not open would buy
-    if task == "train" and (precision is None or optim is None):
+    if train and (precision is None or optim is None):
         alt_prec = precisions if precision is not None else supported
         alt_opt = optims if optim is not None else ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]
-        wider, m = _search(spec, gpu, task, seq, gb, alt_prec, alt_opt, ckpts, attns, momentum, headroom, zero_grad)
+        # on the best plan's layout (or the whole space when nothing fits): what precision / optimizer buy
+        b0 = found[0].base if found else None
+        layout = space if b0 is None else space._replace(
+            tps=[b0.tp], pps=[b0.pp], zeros=[b0.zero], offloads=[b0.offload], sps=[b0.sp], vpps=[b0.vpp])
+        wider, m = _search(spec, gpu, task, seq, gb, shown_world[0], shown_world[1],
+                           layout._replace(precisions=alt_prec, optims=alt_opt), common, cpu_mem, [])
         n += m
-        best = plans[0] if plans else None
+        wider.sort(key=lambda c: _rank_key(c, objective))
+        best = found[0] if found else None
         seen: set[tuple[str, str]] = set()
-        for p in wider:
-            key = (p.precision, p.optim)
-            if key in seen or (best and key == (best.precision, best.optim)):
+        for c in wider:
+            key = (c.base.precision, c.base.optim)
+            if key in seen or (best and key == (best.base.precision, best.base.optim)):
                 continue
             seen.add(key)
-            if best is None or p.samples_per_s > best.samples_per_s * 1.01:
+            if best is None or c.samples_per_s > best.samples_per_s * 1.01:
                 change = ", ".join(x for x in (
-                    f"--precision {p.precision}" if p.precision != (best.precision if best else mixed) else "",
-                    f"--optim {p.optim}" if p.optim != (best.optim if best else "adamw_torch_fused") else "") if x)
-                gain = (f"{p.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {p.micro_batch}"
-                        if best else f"fits with micro batch {p.micro_batch}")
-                alternatives.append(Alternative(change=change, gain=gain, plan=p))
-        alternatives = alternatives[:3]
-    if not plans:
-        tries = [t for t, searched in (("--grad-ckpt full", "full" in ckpts),
-                                        ("--optim any", len(optims) > 1 or task != "train"),
-                                        ("--precision any", len(precisions) > 1)) if not searched]
-        tries += ["a shorter --seq-len", "more GPUs"]
-        notes.append(f"nothing fits on one {gpu.name} with micro batch 1; try {', '.join(tries)}")
-    return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, defaults=defaults,
-                      searched={"precision": precisions, "optim": optims, "grad_ckpt": ckpts, "attn": attns,
-                                "micro_batch": [str(d) for d in _divisors(gb)]},
-                      candidates=n, plans=plans[:top], alternatives=alternatives, notes=notes)
+                    f"--precision {c.base.precision}" if c.base.precision != (best.base.precision if best else mixed) else "",
+                    f"--optim {c.base.optim}" if c.base.optim != (best.base.optim if best else "adamw_torch_fused") else "")
+                    if x)
+                gain = (f"{c.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {c.mb}"
+                        if best else f"fits with micro batch {c.mb}")
+                alternatives.append(Alternative(change=change, gain=gain, plan=_plan(spec, gpu, c)))
+            if len(alternatives) == 3:
+                break
+    if not found:
+        notes.append(_nothing_fits(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, train))
+    searched = {"precision": precisions, "optim": optims, "grad_ckpt": ckpts, "attn": attns,
+                "tp": [str(x) for x in space.tps], "pp": [str(x) for x in space.pps],
+                "zero": [str(x) for x in space.zeros], "offload": space.offloads,
+                "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps]}
+    return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
+                      nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
+                      search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
+                      alternatives=alternatives, notes=notes)
+
+
+def _plan_cpu(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> int:
+    return peak(spec, gpu, c.w).cpu_per_gpu * c.w.gpus
+
+
+def _smaller_worlds(gpus: int, nodes: int):
+    """GPU counts below gpus x nodes, fewest first: 1..gpus on one node, then whole nodes."""
+    for g in _divisors(gpus):
+        yield g, 1
+    for nn in range(2, nodes + 1):
+        yield gpus, nn
+
+
+def _larger_worlds(gpus: int, nodes: int):
+    """More GPUs, fewest first: a fuller node (up to 8), then doubling the nodes, up to 4096 GPUs."""
+    g = gpus
+    while nodes == 1 and g < 8:
+        g *= 2
+        yield g, 1
+    nn = nodes
+    while g * nn * 2 <= 4096:
+        nn *= 2
+        yield g, nn
+
+
+def _nothing_fits(spec, gpu, task, seq, gb, gpus, nodes, space: Space, common, cpu_mem, train: bool) -> str:
+    """Say what would fit: the fewest GPUs of this kind (doubling the nodes, up to 4096 GPUs), or the
+    knob the user kept closed."""
+    tries = [t for t, searched in (("--grad-ckpt full", "full" in space.ckpts),
+                                    ("--optim any", len(space.optims) > 1 or not train),
+                                    ("--precision any", len(space.precisions) > 1),
+                                    ("--zero 3 --offload all", 3 in space.zeros and "all" in space.offloads or not train),
+                                    ) if not searched]
+    world = gpus * nodes
+    msg = f"nothing fits on {world} x {gpu.name} with micro batch 1"
+    if train:
+        for g, nn in _larger_worlds(gpus, nodes):
+            batch = gb if gb % (g * nn) == 0 else g * nn * -(-gb // (g * nn))
+            if _search(spec, gpu, task, seq, batch, g, nn, space._replace(tps=_divisors(g)), common, cpu_mem, [])[0]:
+                msg += f"; it fits on {g * nn} GPUs ({nn} node(s) of {g})"
+                if batch != gb:
+                    msg += f" with a global batch of {batch}"
+                break
+        else:
+            msg += "; not even on 4096 of them"
+    if tries:
+        msg += f"; also try {', '.join(tries)}"
+    return msg + (", or a shorter --seq-len" if train else "; try a shorter --seq-len or int4 weights")

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .rules import INFER_PRECISIONS, OPTIM_ALIASES, OPTIMIZERS, TRAIN_PRECISIONS
 
+# What a ZeRO optimizer runs as: DeepSpeed's FusedAdam on the GPU, DeepSpeedCPUAdam under offload.
+DEEPSPEED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # transformers' attn_implementation names -> memplan's
 ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
                 "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash"}
@@ -40,6 +42,16 @@ class Workload(BaseModel):
     # (set_to_none=True); torch 1.x filled them with zeros, so they stayed allocated between steps.
     zero_grad: Literal["set-to-none", "zeros"] = "set-to-none"
     headroom: float = Field(0.05, ge=0.0, lt=1.0)  # fraction of GPU memory kept free
+    # -- multi-GPU (docs/parallel.md) -----------------------------------------------------------------
+    gpus: int = Field(1, ge=1)  # GPUs per node
+    nodes: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)  # tensor parallel degree, inside a node
+    pp: int = Field(1, ge=1)  # pipeline stages
+    vpp: int = Field(1, ge=1)  # virtual stages per GPU: > 1 is the interleaved 1F1B schedule
+    sp: bool = False  # sequence parallel (with tp > 1)
+    zero: int = Field(0, ge=0, le=3)  # 0: torch DDP; 1-3: DeepSpeed ZeRO stage
+    offload: Literal["none", "optimizer", "all"] = "none"  # DeepSpeed offload to CPU ("all": + parameters)
+    net_gbs: float | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
 
     @field_validator("attn", mode="before")
     @classmethod
@@ -69,8 +81,47 @@ class Workload(BaseModel):
             raise ValueError("--grad-ckpt applies to training only")
         if self.attn == "flash" and self.precision in ("fp32",):
             raise ValueError("flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)")
+        world = self.gpus * self.nodes
+        if world % (self.tp * self.pp):
+            raise ValueError(f"--tp {self.tp} x --pp {self.pp} must divide the {world} GPUs")
+        if self.tp > self.gpus:
+            raise ValueError(f"--tp {self.tp} must stay inside a node of {self.gpus} GPUs")
+        if self.sp and self.tp == 1:
+            raise ValueError("--sp (sequence parallel) needs --tp > 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("--vpp (interleaved pipeline) needs --pp > 1")
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError("--offload needs a DeepSpeed ZeRO stage (--zero 1, 2 or 3)")
+        if self.offload == "all" and self.zero != 3:
+            raise ValueError("--offload all (parameters too) needs --zero 3")
+        if self.zero and self.precision not in ("fp32", "fp16", "bf16"):
+            raise ValueError("DeepSpeed runs fp32, fp16 or bf16 (its own mixed precision); "
+                             f"not {self.precision}")
+        if self.zero and self.optim not in DEEPSPEED_OPTIMS:
+            raise ValueError(f"under ZeRO memplan plans DeepSpeed's Adam (FusedAdam / DeepSpeedCPUAdam): "
+                             f"--optim adamw, not {self.optim}")
+        if self.pp > 1 and self.zero > 1:
+            # deepspeed/runtime/pipe/engine.py asserts it
+            raise ValueError("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed); use --zero 0 or 1")
+        if self.zero and self.task == "infer":
+            raise ValueError("--zero applies to training")
+        if self.pp > 1 and self.task == "infer":
+            raise ValueError("--pp applies to training")
         return self
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the GPUs that are neither tensor nor pipeline parallel."""
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
