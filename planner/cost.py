@@ -1,5 +1,6 @@
-"""Throughput model for ranking single-GPU plans: step time = matmul FLOPs at an achievable rate plus
-the memory traffic of the saved activations and of the optimizer step (docs/cost-model.md).
+"""Throughput model for ranking plans: step time = matmul FLOPs at an achievable rate, the memory traffic
+of the saved activations and of the optimizer step, the pipeline bubble, and the communication that is
+not hidden behind compute (docs/cost-model.md).
 
 FLOPs: 6 * N per token for forward + backward of the dense parameters (Kaplan et al. 2020, "Scaling
 Laws", C = 6N), 2 * N more under full recompute and the attention core's forward again under selective
@@ -10,7 +11,7 @@ masks in fused kernels that skip masked tiles. MoE counts only the K routed expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
@@ -31,13 +32,12 @@ COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "b
                  "int8": "fp16", "int4": "fp16"}
 
 
-@dataclass(frozen=True)
-class Throughput:
+class Throughput(NamedTuple):
     step_seconds: float
     samples_per_s: float
     tokens_per_s: float
     mfu: float  # model FLOPs (no recompute) / (time * peak of the compute dtype)
-    terms: "StepTime | None" = None
+    terms: "StepTime | None" = None  # type: ignore[assignment]
 
 
 def active_params(spec: ModelSpec) -> int:
@@ -114,8 +114,7 @@ def ring(n: int, nbytes: float, bw: float, kind: str) -> float:
     return f * nbytes / bw
 
 
-@dataclass(frozen=True)
-class StepTime:
+class StepTime(NamedTuple):
     """Seconds per optimizer step, by term (the sum is the step time)."""
 
     compute: float  # matmuls + activation traffic of all micro batches, one stage
@@ -131,7 +130,7 @@ class StepTime:
 
 
 def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float, state_bytes: float,
-              params_per_gpu: int, half: bool, mb: int, m: int) -> StepTime:
+              params_per_gpu: int, half: bool, mb: int, m: int, hw_f: float | None = None) -> StepTime:
     """One optimizer step of one data-parallel replica (mb sequences x m micro batches); every rank
     takes the same time."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
@@ -142,7 +141,9 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
     width = spec.hidden_size / w.tp
     eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
-    _, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
+    if hw_f is None:
+        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)[1]
+    dp = w.dp
     compute_micro = hw_f * tokens / (w.tp * w.pp) / (peak * 1e12 * eff)
     micro = compute_micro + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
     compute = micro * m
@@ -163,29 +164,29 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
         # each micro batch crosses every stage boundary forward and backward (vpp times when
         # interleaved); with SP the message is split over the TP ranks
         msg = tokens * spec.hidden_size * act_bytes / (w.tp if w.sp else 1)
-        p2p_bw = _group_bw(gpu, w, w.tp * w.dp, w.pp)
+        p2p_bw = _group_bw(gpu, w, w.tp * dp, w.pp)
         pp_comm = 2 * m * w.vpp * msg / p2p_bw
     dp_comm = 0.0
     g_bytes = params_per_gpu * (2 if (half and w.zero) else 4)
     p_bytes = params_per_gpu * (2 if half else 4)
-    dpbw = _group_bw(gpu, w, w.tp, w.dp)
+    dpbw = _group_bw(gpu, w, w.tp, dp)
     backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
-    if w.dp > 1:
+    if dp > 1:
         if w.zero in (0, 1):
             # one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
             # boundary, overlapped with the last micro batch's backward
-            dp_comm = max(ring(w.dp, g_bytes, dpbw, "all-reduce") - backward, 0.0)
+            dp_comm = max(ring(dp, g_bytes, dpbw, "all-reduce") - backward, 0.0)
         elif w.zero == 2:
             # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the
             # updated parameters after the step
-            rs = ring(w.dp, g_bytes, dpbw, "reduce-scatter")
-            dp_comm = m * max(rs - backward, 0.0) + ring(w.dp, p_bytes, dpbw, "all-gather")
+            rs = ring(dp, g_bytes, dpbw, "reduce-scatter")
+            dp_comm = m * max(rs - backward, 0.0) + ring(dp, p_bytes, dpbw, "all-gather")
         else:
             # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again
             # in backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
-            per_micro = 2 * ring(w.dp, p_bytes, dpbw, "all-gather") + ring(w.dp, g_bytes, dpbw, "reduce-scatter")
+            per_micro = 2 * ring(dp, p_bytes, dpbw, "all-gather") + ring(dp, g_bytes, dpbw, "reduce-scatter")
             dp_comm = m * max(per_micro - compute_micro, 0.0)
-    n_opt = params_per_gpu / (w.dp if w.zero else 1)
+    n_opt = params_per_gpu / (dp if w.zero else 1)
     if w.offload == "none":
         optimizer = OPTIMIZER_TRAFFIC * state_bytes / bw
     else:
@@ -195,7 +196,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
         pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
         optimizer = cpu + (m * 2 * n_opt + 2 * n_opt) / pcie
         if w.offload == "all":  # parameters come up over PCIe for forward and backward of each micro batch
-            optimizer += m * 2 * (params_per_gpu / w.dp) * 2 / pcie
+            optimizer += m * 2 * (params_per_gpu / dp) * 2 / pcie
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, optimizer)
 
 
@@ -213,10 +214,10 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
         fwd = 2 * active_params(spec) * tokens
         t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
         return Throughput(t, mb / t, tokens / t, fwd / (t * peak * 1e12))
+    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
     st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
-                   params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m)
+                   params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)
     step = st.total
-    model_f, _ = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
     samples = mb * m * w.dp
     # MFU over all GPUs: model FLOPs of the global batch / (step time * world * peak)
     return Throughput(step, samples / step, samples * seq / step,

@@ -416,7 +416,8 @@ class StageActs(NamedTuple):
 
 def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
     prec = _train_precision(w)
-    key = ("acts", mb, w.seq_len, prec.name, w.attn, w.grad_ckpt, w.tp, w.sp)
+    # the activation model tells only eager from fused attention (SDPA and FlashAttention-2 save the same)
+    key = ("acts", mb, w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt, w.tp, w.sp)
 
     def make() -> StageActs:
         am = training_activations(spec, mb, w.seq_len, prec, w.attn,

@@ -289,27 +289,43 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:+.1f} GiB"
 
 
-def _why(best: Candidate, cands: list[Candidate]) -> list[str]:
+def _knob(knob: str, v) -> str:
+    return {"zero": f"ZeRO-{v}", "offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}",
+            "sp": f"SP {'on' if v else 'off'}", "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}",
+            "vpp": f"interleave x{v}"}[knob]
+
+
+WHY_KNOBS = ("zero", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
+FIXED = WHY_KNOBS + ("precision", "optim")
+
+
+def _why(best: Candidate, cands: list[Candidate], space: "Space") -> list[str]:
     """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
-    again): what it would cost in memory and speed."""
+    again): what it would cost in memory and speed, or that it does not fit."""
     w = best.base
-    knobs = {"zero": "ZeRO-{}", "offload": "offload {}", "tp": "TP {}", "pp": "PP {}", "sp": "SP {}",
-             "grad_ckpt": "checkpointing {}", "attn": "attention {}", "vpp": "interleave {}"}
-    fixed = ("zero", "offload", "tp", "pp", "sp", "grad_ckpt", "attn", "vpp", "precision", "optim")
+    searched = {"zero": space.zeros, "offload": space.offloads, "tp": space.tps, "pp": space.pps, "sp": space.sps,
+                "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
     out = []
-    for knob, label in knobs.items():
+    for knob in WHY_KNOBS:
         seen: dict = {}
         for c in cands:
             v = getattr(c.base, knob)
-            if v == getattr(w, knob) or any(getattr(c.base, k) != getattr(w, k) for k in fixed if k != knob):
+            if v == getattr(w, knob) or any(getattr(c.base, k) != getattr(w, k) for k in FIXED if k != knob):
                 continue
             if v not in seen or c.samples_per_s > seen[v].samples_per_s:
                 seen[v] = c
-        for v, c in sorted(seen.items(), key=lambda kv: str(kv[0])):
+        for v in searched[knob]:
+            if v == getattr(w, knob):
+                continue
+            c = seen.get(v)
+            change = f"{_knob(knob, v)} instead of {_knob(knob, getattr(w, knob))}"
+            if c is None:
+                if knob in ("zero", "offload", "grad_ckpt", "attn"):
+                    out.append(f"{change}: does not fit or is not possible with the rest of this plan")
+                continue
             mem = c.device_used - best.device_used
             speed = c.samples_per_s / best.samples_per_s - 1
-            out.append(f"{label.format(v)} instead of {label.format(getattr(w, knob))}: {_gib(mem)}, "
-                       f"{speed:+.0%} tokens/s (micro batch {c.mb})")
+            out.append(f"{change}: {_gib(mem)}, {speed:+.0%} tokens/s (micro batch {c.mb})")
     return out
 
 
@@ -379,7 +395,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     found.sort(key=lambda c: _rank_key(c, objective))
     plans = [_plan(spec, gpu, c) for c in found[:top]]
     front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
-    why = _why(found[0], found) if found else []
+    why = _why(found[0], found, space) if found else []
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
                      f"{shown_world[0]})")

@@ -53,6 +53,13 @@ def test_human_output_shows_plan_and_meters():
     ("suggest", "-m", "gpt2", "-g", "a100", "--precision", "fp8"),
     ("estimate", "-m", "/nonexistent/config.json", "-g", "a100"),
     ("estimate", "-m", "gpt2", "-g", "/nonexistent/gpu.json"),
+    ("estimate", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "8", "--tp", "3"),
+    ("estimate", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "8", "--zero", "3", "--pp", "2"),
+    ("estimate", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "8", "--offload", "optimizer"),
+    ("estimate", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "8", "--zero", "two"),
+    ("suggest", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "8", "--tp", "x"),
+    ("suggest", "-m", "llama-3.1-8b", "-g", "h100", "--gpus", "0"),
+    ("suggest", "-m", "llama-3.1-8b", "-g", "h100", "--cpu-mem", "-1"),
     ("frobnicate",),
 ])
 def test_user_errors_are_one_line_exit_2(args):
@@ -67,3 +74,32 @@ def test_list_commands():
     assert r.returncode == 0 and len(json.loads(r.stdout)["models"]) >= 36
     r = run("gpus", "--json")
     assert r.returncode == 0 and len(json.loads(r.stdout)["gpus"]) >= 14
+
+
+def test_estimate_multi_gpu_flags():
+    r = run("estimate", "-m", "llama-3.1-8b", "-g", "a100-40g", "--gpus", "4", "--nodes", "2", "--zero", "3",
+            "--offload", "optimizer", "--micro-batch", "2", "--seq-len", "2048", "--precision", "bf16",
+            "--grad-ckpt", "full", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    w = d["workload"]
+    assert (w["gpus"], w["nodes"], w["zero"], w["offload"]) == (4, 2, 3, "optimizer")
+    assert d["cpu_ram_per_node_bytes"] > 0 and d["fits"]
+    for k in ("comm_buffers", "gathered_params"):
+        assert k in d["breakdown"]
+    r = run("estimate", "-m", "llama-3.1-70b", "-g", "h100", "--gpus", "8", "--nodes", "4", "--tp", "8", "--pp", "4",
+            "--sp", "on", "--zero", "1", "--grad-accum", "16", "--seq-len", "4096", "--precision", "bf16")
+    assert r.returncode == 0 and "dp 1 x tp 8 + SP x pp 4" in r.stdout and "per GPU" in r.stdout, r.stderr
+
+
+def test_suggest_multi_gpu_json_and_why():
+    r = run("suggest", "-m", "llama-3.1-8b", "-g", "a100-40g", "--gpus", "8", "--seq-len", "2048",
+            "--batch-size", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["plans"] and d["why"] and d["pareto"]
+    for p in d["plans"]:
+        assert p["micro_batch"] * p["grad_accum"] * p["dp"] == 64 and p["dp"] * p["tp"] * p["pp"] == 8
+    r = run("suggest", "-m", "llama-3.1-8b", "-g", "a100-40g", "--gpus", "8", "--seq-len", "2048",
+            "--batch-size", "64")
+    assert r.returncode == 0 and "why this plan" in r.stdout and "Pareto front" in r.stdout

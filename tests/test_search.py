@@ -28,8 +28,11 @@ def test_other_optimizers_only_reported_unless_allowed():
 
 
 def test_nothing_fits_says_so():
-    s = memplan.suggest("llama-2-70b", "t4-16g", seq_len=4096)
-    assert not s.plans and s.notes
+    # ZeRO-Offload would fit the GPU but needs 1.3 TB of host RAM; with 256 GiB nothing fits
+    s = memplan.suggest("llama-2-70b", "t4-16g", seq_len=4096, cpu_mem=256 << 30)
+    assert not s.plans and "nothing fits" in s.notes[-1] and "it fits on" in s.notes[-1]
+    offload = memplan.suggest("llama-2-70b", "t4-16g", seq_len=4096)
+    assert offload.plans and offload.plans[0].offload == "all" and "host RAM" in offload.notes[-1]
 
 
 def test_bad_choices_are_user_errors():
