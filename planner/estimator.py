@@ -431,12 +431,29 @@ def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
     return _memo(spec, key, make)
 
 
-def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
+class StageNumbers(NamedTuple):
+    """The byte counts of one pipeline stage's step, before they are named as a breakdown."""
+
+    st: StageStates
+    sa: StageActs
+    phases: dict[str, int]
+    peak_phase: str
+    acts: int  # saved activations of the micro batches in flight
+    recompute: int
+    c_all: int
+    c_bwd: int
+    g_live: int
+    g_head: int
+    lsm: int
+    transient: dict[str, int]  # the transient of each moment
+    copies: int  # per-layer activation sets held: layers x micro batches in flight
+    flight: float
+
+
+def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) -> StageNumbers:
     st = _stage_states(spec, w, stage, m > 1)
     sa = _stage_acts(spec, w, mb)
-    am = sa.am
     ds = w.zero > 0 or w.pp > 1
-    notes: list[str] = []
     first, last = stage == 0, stage == w.pp - 1
     n_enc, n_dec = st.n_enc, st.n_dec
     n_layers = n_enc + n_dec
@@ -469,41 +486,93 @@ def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
         "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + sa.layer_backward,
         "optimizer-step": weights + grads + states + st.temp + comm,
     }
+    transient = {"forward-loss": loss_fwd, "backward-start": loss_bwd,
+                 "backward-layer": recompute + sa.layer_backward, "optimizer-step": 0}
     tied_sum = _tied_grad_sum(spec, PRECISIONS[w.precision].grad, grads_in_fwd, w.tp) if (st.tied and not ds) else 0
     if tied_sum:
         phases["backward-end"] = weights + states + grads + comm + tied_sum
-    peak_phase = max(phases, key=lambda k: phases[k])
-    parts = {"weights": weights, "optimizer_states": states, "comm_buffers": comm}
-    act_segments = 0
-    if peak_phase in ("optimizer-step", "backward-end"):
-        parts |= {"gradients": grads, "optimizer_temporaries": st.temp if peak_phase == "optimizer-step" else 0,
-                  "transient": tied_sum if peak_phase == "backward-end" else 0}
+        transient["backward-end"] = tied_sum
+    peak_phase = max(phases, key=phases.__getitem__)
+    return StageNumbers(st, sa, phases, peak_phase, acts, recompute, c_all, c_bwd, g_live, g_head, lsm, transient,
+                        n_layers * max(1, round(flight)), flight)
+
+
+def _act_segments(spec: ModelSpec, w: Workload, stage: int, n: StageNumbers) -> int:
+    """Segments of the activation tensors alive at the peak moment (none at the optimizer step)."""
+    if n.peak_phase in STEP_PHASES:
+        return 0
+    am, copies, phase = n.sa.am, n.copies, n.peak_phase
+    first, last = stage == 0, stage == w.pp - 1
+
+    def segments() -> int:
+        per = am.layer_input if w.grad_ckpt == "full" else am.layer
+        ts = [(t.nbytes, t.count * copies) for t in per]
+        ts += [(t.nbytes, t.count) for t in (am.embed if first else []) + (am.head_saved if last else [])]
+        if last:
+            ts += [(t.nbytes, t.count) for t in {"forward-loss": am.loss_forward, "backward-start": am.loss_backward,
+                                                 "backward-layer": am.layer_backward}[phase]]
+        return _segments(ts)
+    return _memo(spec, ("segments", id(am), copies, first, last, phase), segments)
+
+
+STEP_PHASES = ("optimizer-step", "backward-end")
+
+
+def _activation_bytes(n: StageNumbers) -> int:
+    """Activations + transient at the peak moment: the churn the fragmentation allowance scales with."""
+    acts = 0 if n.peak_phase in STEP_PHASES else n.acts - (n.lsm if n.peak_phase == "backward-layer" else 0)
+    return acts + n.transient[n.peak_phase]
+
+
+def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
+    n = _stage_numbers(spec, w, stage, mb, m)
+    st, peak_phase = n.st, n.peak_phase
+    parts = {"weights": st.weights, "optimizer_states": st.states, "comm_buffers": st.comm,
+             "transient": n.transient[peak_phase]}
+    if peak_phase in STEP_PHASES:
+        parts |= {"gradients": st.grads, "optimizer_temporaries": st.temp if peak_phase == "optimizer-step" else 0}
     else:
         parts["gathered_params"] = st.gathered
-        parts["gradients"] = g_live + (g_head if peak_phase == "backward-layer" else 0)
-        parts["autocast_cache"] = c_all if peak_phase == "forward-loss" else c_bwd
-        parts["activations"] = acts - (lsm if peak_phase == "backward-layer" else 0)
-        parts["transient"] = {"forward-loss": loss_fwd, "backward-start": loss_bwd,
-                              "backward-layer": recompute + sa.layer_backward}[peak_phase]
-        copies = n_layers * max(1, round(flight))
-
-        def segments() -> int:
-            per = am.layer_input if w.grad_ckpt == "full" else am.layer
-            ts = [(t.nbytes, t.count * copies) for t in per]
-            ts += [(t.nbytes, t.count) for t in (am.embed if first else []) + (am.head_saved if last else [])]
-            if last:
-                ts += [(t.nbytes, t.count) for t in {"forward-loss": am.loss_forward, "backward-start": am.loss_backward,
-                                                     "backward-layer": am.layer_backward}[peak_phase]]
-            return _segments(ts)
-        act_segments = _memo(spec, ("segments", id(am), copies, first, last, peak_phase), segments)
-    if m > 1 and not ds:
+        parts["gradients"] = n.g_live + (n.g_head if peak_phase == "backward-layer" else 0)
+        parts["autocast_cache"] = n.c_all if peak_phase == "forward-loss" else n.c_bwd
+        parts["activations"] = n.acts - (n.lsm if peak_phase == "backward-layer" else 0)
+    notes: list[str] = []
+    if m > 1 and not (w.zero > 0 or w.pp > 1):
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
     if w.pp > 1:
-        notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({n_layers} layers, "
-                     f"{flight:g} micro batches in flight)")
+        notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({st.n_enc + st.n_dec} layers, "
+                     f"{n.flight:g} micro batches in flight)")
     extra = {"cpu": st.cpu, "n_params": st.n_params, "persistent_segments": st.persistent_segments,
-             "act_segments": act_segments, "saved": acts, "state": weights + grads + states}
-    return parts, phases, peak_phase, notes, sa.per_layer, extra
+             "act_segments": _act_segments(spec, w, stage, n), "saved": n.acts,
+             "state": st.weights + st.grads + st.states}
+    return parts, n.phases, peak_phase, notes, n.sa.per_layer, extra
+
+
+class Screen(NamedTuple):
+    """What the search needs of a candidate: `peak` without the breakdown."""
+
+    device_used: int
+    cpu_per_gpu: int
+    params_per_gpu: int
+    saved_activations: int
+    state_bytes: int
+
+
+def screen(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int) -> Screen:
+    """Device used of the worst stage, as `peak` computes it (a test holds the two equal), without
+    naming the parts: the search calls this for every candidate."""
+    best = None
+    for stage in ((0, w.pp - 1) if w.pp > 1 else (0,)):
+        n = _stage_numbers(spec, w, stage, mb, m)
+        if best is None or n.phases[n.peak_phase] > best[1].phases[best[1].peak_phase]:
+            best = (stage, n)
+    stage, n = best
+    st = n.st
+    allocated = n.phases[n.peak_phase] + CUBLAS_WORKSPACE[gpu.compute_capability >= (9, 0)]
+    reserved = st.persistent_segments + _act_segments(spec, w, stage, n) + CUBLAS_WORKSPACE[
+        gpu.compute_capability >= (9, 0)] + int(ACTIVATION_FRAGMENTATION * _activation_bytes(n))
+    reserved = max(reserved, allocated)
+    return Screen(reserved + gpu.cuda_context_bytes, st.cpu, st.n_params, n.acts, st.weights + st.grads + st.states)
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cost import throughput
 from .errors import UserError
-from .estimator import MemoryBreakdown, check_hardware, peak, report, supported_attn, tp_problem
+from .estimator import MemoryBreakdown, check_hardware, peak, report, screen, supported_attn, tp_problem
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
@@ -86,7 +86,8 @@ class Suggestion(BaseModel):
     objective: str = "throughput"
     defaults: list[str]  # the defaults memplan chose, said out loud
     searched: dict[str, list[str]]
-    candidates: int
+    candidates: int  # evaluated: memory estimated, and step time modelled where it fits
+    decided: int = 0  # not evaluated: a larger micro batch than one that did not fit (memory grows with it)
     search_seconds: float = 0.0
     plans: list[Plan]
     pareto: list[Plan] = []  # fitting plans no other plan beats on both memory and speed, least memory first
@@ -178,7 +179,7 @@ def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: l
 
 def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int,
               cpu_mem: int | None) -> Candidate | None:
-    p = peak(spec, gpu, w, mb, m)
+    p = screen(spec, gpu, w, mb, m) if w.task == "train" else peak(spec, gpu, w, mb, m)
     if p.device_used > usable or (cpu_mem is not None and p.cpu_per_gpu * w.gpus > cpu_mem):
         return None
     half = w.precision != "fp32"
@@ -211,7 +212,10 @@ class Space(NamedTuple):
 
 
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
-            common: dict, cpu_mem: int | None, notes: list[str]) -> tuple[list[Candidate], int]:
+            common: dict, cpu_mem: int | None, notes: list[str], skipped: list[int] | None = None
+            ) -> tuple[list[Candidate], int]:
+    """Every fitting candidate, and how many were evaluated; `skipped` (if given) counts the ones
+    decided without evaluation (provably too large)."""
     world = gpus * nodes
     found: list[Candidate] = []
     n = 0
@@ -248,7 +252,9 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
                                         last_failed = False
                                         for mb in mbs:
                                             if last_failed and mb != per_rank:
-                                                continue  # provably does not fit (monotone in the micro batch)
+                                                if skipped is not None:  # provably does not fit (monotone in mb)
+                                                    skipped[0] += 1
+                                                continue
                                             if vpp > 1 and (per_rank // mb) % pp:
                                                 continue  # the interleaved schedule needs m % pp == 0
                                             n += 1
@@ -382,7 +388,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
-    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, notes)
+    skipped = [0]
+    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, notes, skipped)
     shown_world = (gpus, nodes)
     if objective == "min-gpus" and found:
         # the fewest GPUs of this kind (whole nodes past one node) on which some plan fits
@@ -440,7 +447,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                 "zero": [str(x) for x in space.zeros], "offload": space.offloads,
                 "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps]}
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
-                      nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
+                      nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n, decided=skipped[0],
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
                       alternatives=alternatives, notes=notes)
 

@@ -1,0 +1,116 @@
+"""Speed of the multi-GPU search.
+
+    python benchmarks/search_speed.py [--runs 7] [--out benchmarks/results/search_speed.json]
+
+1. The issue's must-show CLI call, cold (a fresh process each run), median wall time, beside
+   `python -c pass` and `memplan suggest --model bert-large --gpu v100-16g` as baselines.
+2. Candidates evaluated per second inside one process: a candidate is one full setting of every knob
+   (layout, ZeRO, offload, SP, interleaving, precision, optimizer, checkpointing, attention, micro
+   batch) whose per-GPU memory was estimated and, if it fits, whose step time was modelled. Cold:
+   the first search of a process (the estimator's per-model caches empty); warm: the same search again.
+   Also the candidates the search decided without evaluating (a larger micro batch than one that
+   did not fit: memory grows with the micro batch).
+3. Llama 3.1 405B on 1024 H100s (128 nodes of 8), seq 8192, global batch 2048.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+MUST_SHOW = ["suggest", "--model", "llama-3.1-70b", "--gpu", "h100-80g", "--gpus", "8", "--nodes", "8",
+             "--seq-len", "4096", "--batch-size", "1024", "--json"]
+CLI = {
+    "memplan " + " ".join(MUST_SHOW): [sys.executable, "-m", "memplan", *MUST_SHOW],
+    "baseline: memplan suggest --model bert-large --gpu v100-16g": [
+        sys.executable, "-m", "memplan", "suggest", "--model", "bert-large", "--gpu", "v100-16g", "--json"],
+    "baseline: python -c pass": [sys.executable, "-c", "pass"],
+}
+SEARCHES = {
+    "llama-3.1-70b, 64 x h100-80g, seq 4096, batch 1024": ("llama-3.1-70b", "h100-80g", 8, 8, 4096, 1024),
+    "llama-3.1-405b, 1024 x h100-80g, seq 8192, batch 2048": ("llama-3.1-405b", "h100-80g", 8, 128, 8192, 2048),
+}
+
+
+def time_cli(cmd: list[str], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+SEARCH_CHILD = """
+import json, sys, time
+import memplan
+from memplan import search
+model, gpu, gpus, nodes, seq, batch = json.loads(sys.argv[1])
+spec, prof = memplan.resolve_model(model), memplan.load_gpu(gpu)
+out = []
+for _ in range(2):  # cold, then warm
+    t0 = time.perf_counter()
+    s = search.suggest(spec, prof, seq_len=seq, global_batch=batch, gpus=gpus, nodes=nodes)
+    dt = time.perf_counter() - t0
+    best = s.plans[0]
+    out.append({"seconds": dt, "candidates": s.candidates, "decided": s.decided,
+                "best": {k: getattr(best, k) for k in ("dp", "tp", "pp", "vpp", "sp", "zero_stage", "offload",
+                                                        "micro_batch", "grad_accum", "grad_ckpt", "attn",
+                                                        "tokens_per_s", "mfu")}})
+print(json.dumps(out))
+"""
+
+
+def time_search(args: tuple, runs: int) -> dict:
+    """Fresh process per run, so 'cold' really is the first search of a process."""
+    cold, warm, cands, decided, best = [], [], 0, 0, None
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, "-c", SEARCH_CHILD, json.dumps(args)], check=True, capture_output=True,
+                           text=True)
+        first, second = json.loads(r.stdout.strip().splitlines()[-1])
+        cold.append(first["seconds"])
+        warm.append(second["seconds"])
+        cands, decided, best = first["candidates"], first["decided"], first["best"]
+    return {"candidates": cands, "decided_without_evaluating": decided,
+            "cold_median_s": statistics.median(cold), "warm_median_s": statistics.median(warm),
+            "cold_candidates_per_s": cands / statistics.median(cold),
+            "warm_candidates_per_s": cands / statistics.median(warm),
+            "cold_decided_per_s": (cands + decided) / statistics.median(cold),
+            "cold_runs": cold, "warm_runs": warm, "best_plan": best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--out", default="benchmarks/results/search_speed.json")
+    args = ap.parse_args()
+    cli = {}
+    for name, cmd in CLI.items():
+        times = time_cli(cmd, args.runs)
+        cli[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": times}
+        print(f"{name:100s} median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f})")
+    searches = {}
+    for name, a in SEARCHES.items():
+        r = time_search(a, args.runs)
+        searches[name] = r
+        print(f"{name}: {r['candidates']:,} candidates evaluated (+{r['decided_without_evaluating']:,} decided by "
+              f"monotonicity); cold {r['cold_median_s']:.3f} s = {r['cold_candidates_per_s']:,.0f}/s, warm "
+              f"{r['warm_median_s']:.3f} s = {r['warm_candidates_per_s']:,.0f}/s")
+    doc = {"command": f"python benchmarks/search_speed.py --runs {args.runs}",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python "
+                      f"{platform.python_version()}",
+           "cli": cli, "searches": searches}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
