@@ -66,6 +66,8 @@ def _parallel_options(search: bool):
             click.option("--gpus", type=int, default=1, show_default=True, help="GPUs per node"),
             click.option("--nodes", type=int, default=1, show_default=True),
             click.option("--zero", help="DeepSpeed ZeRO stage 0-3 (0: torch DDP)" + (many or " [default: 0]")),
+            click.option("--fsdp", help="PyTorch FSDP (accelerate) instead of DeepSpeed: none, full-shard, "
+                         "shard-grad-op, hybrid-shard" + (many or " [default: none]")),
             click.option("--offload", help="DeepSpeed offload to CPU: none, optimizer, all (+ parameters, ZeRO-3)"
                          + (many or " [default: none]")),
             click.option("--tp", help="tensor-parallel degree, inside a node" + (many or " [default: 1]")),
@@ -91,10 +93,10 @@ def _one_int(value, name: str, default: int) -> int:
         raise UserError(f"--{name}: expected a number, got {value!r}") from None
 
 
-def _parallel_work(gpus, nodes, zero, offload, tp, pp, sp, vpp, net_gbs) -> dict:
+def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp, net_gbs) -> dict:
     if sp not in (None, "on", "off"):
         raise UserError(f"--sp: expected on or off, got {sp!r}")
-    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), offload=offload or "none",
+    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), fsdp=fsdp or "none", offload=offload or "none",
                 tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1),
                 net_gbs=net_gbs)
 
@@ -124,8 +126,8 @@ def cli() -> None:
 @click.option("--beams", type=int, default=1, show_default=True)
 @_parallel_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-             as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes, zero, offload,
-             tp, pp, sp, vpp, cpu_mem, net_gbs) -> None:
+             as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes, zero, fsdp,
+             offload, tp, pp, sp, vpp, cpu_mem, net_gbs) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from . import api
     from .search import best_mixed_precision, default_seq_len
@@ -138,7 +140,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
                        grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
                        grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
                        zero_grad=zero_grad, headroom=headroom,
-                       **_parallel_work(gpus, nodes, zero, offload, tp, pp, sp, vpp, net_gbs))
+                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp, net_gbs))
     limit = _cpu_mem(cpu_mem)
     if limit is not None and est.cpu_ram_per_node_bytes > limit:
         est = est.model_copy(update={"fits": False, "notes": est.notes + [
@@ -161,15 +163,15 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
               show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
 @_parallel_options(search=True)
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-            as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, offload, tp, pp, sp, vpp,
-            cpu_mem, net_gbs) -> None:
+            as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
+            vpp, cpu_mem, net_gbs) -> None:
     """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
     from . import api
 
     s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
-                    objective=objective, gpus=gpus, nodes=nodes, zero=zero, offload=offload, tp=tp, pp=pp, sp=sp,
+                    objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs)
     if as_json:
         _emit_json(s)

@@ -167,11 +167,23 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
         p2p_bw = _group_bw(gpu, w, w.tp * dp, w.pp)
         pp_comm = 2 * m * w.vpp * msg / p2p_bw
     dp_comm = 0.0
-    g_bytes = params_per_gpu * (2 if (half and w.zero) else 4)
+    sharded = w.zero or w.fsdp != "none"
+    g_bytes = params_per_gpu * (2 if (half and sharded) else 4)  # FSDP: reduce_dtype = the half dtype
     p_bytes = params_per_gpu * (2 if half else 4)
     dpbw = _group_bw(gpu, w, w.tp, dp)
     backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
-    if dp > 1:
+    if dp > 1 and w.fsdp != "none":
+        # FSDP2: every micro batch all-gathers each unit in forward (and again in backward unless
+        # shard-grad-op kept it) and reduce-scatters its gradients, prefetched behind compute; hybrid
+        # shards inside a node and all-reduces its gradient shard across nodes once per step
+        n = w.gpus if w.fsdp == "hybrid-shard" else dp
+        bw_n = _group_bw(gpu, w, 1, n)
+        gathers = 1 if w.fsdp == "shard-grad-op" else 2
+        per_micro = gathers * ring(n, p_bytes, bw_n, "all-gather") + ring(n, g_bytes, bw_n, "reduce-scatter")
+        dp_comm = m * max(per_micro - compute_micro, 0.0)
+        if w.fsdp == "hybrid-shard":
+            dp_comm += ring(dp // n, g_bytes / n, inter_node_gbs(gpu, w) * 1e9, "all-reduce")
+    elif dp > 1:
         if w.zero in (0, 1):
             # one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
             # boundary, overlapped with the last micro batch's backward
@@ -186,7 +198,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
             # in backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
             per_micro = 2 * ring(dp, p_bytes, dpbw, "all-gather") + ring(dp, g_bytes, dpbw, "reduce-scatter")
             dp_comm = m * max(per_micro - compute_micro, 0.0)
-    n_opt = params_per_gpu / (dp if w.zero else 1)
+    n_opt = params_per_gpu / (dp if sharded else 1)
     if w.offload == "none":
         optimizer = OPTIMIZER_TRAFFIC * state_bytes / bw
     else:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .activations import ActivationModel, Tensors, inference_working_set, training_activations
 from .errors import UserError
 from .modelspec import ModelSpec, ParamGroup
-from .parallel import stage_params, tied_head, zero_states
+from .parallel import fsdp_states, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
     ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, OPTIMIZERS, PRECISIONS,
@@ -306,8 +306,9 @@ def _training(spec: ModelSpec, w: Workload, mb: int, m: int):
 
 
 def deepspeed(w: Workload) -> bool:
-    """DeepSpeed runs the step: any ZeRO stage, or pipeline parallelism (its PipelineEngine)."""
-    return w.zero > 0 or w.pp > 1
+    """The model runs in half precision with sharded fp32 states: DeepSpeed (any ZeRO stage, or its
+    PipelineEngine) or FSDP with its mixed-precision policy."""
+    return w.zero > 0 or w.pp > 1 or w.fsdp != "none"
 
 
 _MEMO: dict = {}
@@ -357,7 +358,7 @@ class StageStates(NamedTuple):
 
 
 def _stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) -> StageStates:
-    key = ("states", stage, w.tp, w.pp, w.zero, w.dp, w.offload, w.precision, w.optim, w.momentum > 0,
+    key = ("states", stage, w.tp, w.pp, w.zero, w.dp, w.offload, w.fsdp, w.precision, w.optim, w.momentum > 0,
            accumulating)
     return _memo(spec, key, lambda: _make_stage_states(spec, w, stage, accumulating))
 
@@ -371,9 +372,13 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
     tied = -(-spec.vocab_size // w.tp) * spec.hidden_size if (tied_head(spec) and last and w.pp == 1) else 0
     trainable = tuple(g for g in groups if g.trainable)
     comm = gathered = cpu = temp = 0
-    if ds:
+    if w.fsdp != "none":
+        z = fsdp_states(groups, spec, strategy=w.fsdp, dp=w.dp, gpus=w.gpus, half=prec.half is not None,
+                        moments=rule.states * 4)
+    elif ds:
         z = zero_states(groups, spec, zero=w.zero, dp=w.dp, offload=w.offload, half=prec.half is not None,
                         moments=rule.states * 4, accumulating=accumulating)
+    if ds:
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
         temp, grads_persistent = z.step_transient, z.grads_persistent
@@ -453,7 +458,7 @@ class StageNumbers(NamedTuple):
 def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) -> StageNumbers:
     st = _stage_states(spec, w, stage, m > 1)
     sa = _stage_acts(spec, w, mb)
-    ds = w.zero > 0 or w.pp > 1
+    ds = deepspeed(w)
     first, last = stage == 0, stage == w.pp - 1
     n_enc, n_dec = st.n_enc, st.n_dec
     n_layers = n_enc + n_dec
@@ -537,7 +542,7 @@ def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
         parts["autocast_cache"] = n.c_all if peak_phase == "forward-loss" else n.c_bwd
         parts["activations"] = n.acts - (n.lsm if peak_phase == "backward-layer" else 0)
     notes: list[str] = []
-    if m > 1 and not (w.zero > 0 or w.pp > 1):
+    if m > 1 and not deepspeed(w):
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
     if w.pp > 1:
         notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({st.n_enc + st.n_dec} layers, "

@@ -176,3 +176,34 @@ def gathered_numel(spec: ModelSpec, ts: list[Tensor]) -> int:
     largest = max((t.numel for t in ts), default=0)
     kept = min(STAGE3_MAX_REUSE_DISTANCE, b["stage3_max_live_parameters"], sharded)
     return max(largest + b["stage3_prefetch_bucket_size"], kept) if sharded else 0
+
+
+def fsdp_states(ts: list[Tensor], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, half: bool,
+                moments: float) -> ZeroStates:
+    """PyTorch FSDP2 (`fully_shard`, as accelerate applies it with an auto-wrap policy on the decoder /
+    encoder layer class). accelerate's mixed precision sets MixedPrecisionPolicy(param_dtype=half,
+    reduce_dtype=half) (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin.set_mixed_precision):
+    the sharded parameters, their gradients and the optimizer states stay fp32 (4 + 4 + 8 bytes / N);
+    a unit's parameters are all-gathered in half precision for its forward and backward.
+    - full-shard (reshard_after_forward=True): the layer being computed and the next one (FSDP2
+      prefetches one unit in forward and backward), the layer's unsharded half gradient before its
+      reduce-scatter, and the root unit (embeddings, head, final norm), which FSDP2 does not reshard
+      after forward because backward starts with it;
+    - shard-grad-op (reshard_after_forward=False): parameters stay gathered from forward to backward:
+      every parameter in half at the backward peak;
+    - hybrid-shard: full-shard over the GPUs of one node (N = gpus), replicated across nodes."""
+    n = gpus if strategy == "hybrid-shard" else dp
+    P = numel(ts)
+    Pt = numel(ts, trainable_only=True)
+    part = lambda x: -(-x // n)  # noqa: E731
+    pb = 2 if half else 4
+    layer, root = fsdp_units(spec)
+    gathered = P * pb if strategy == "shard-grad-op" else (3 * layer + root) * pb
+    return ZeroStates(part(P) * 4, part(Pt) * 4, False, 0, int(moments * part(Pt)), 0, gathered, 0)
+
+
+def fsdp_units(spec: ModelSpec) -> tuple[int, int]:
+    """(elements of one transformer layer, of the root unit: embeddings, head, norms outside layers)."""
+    L = max(spec.total_layers, 1)
+    layer = sum((g.count // L) * g.numel for g in spec.params if g.category in LAYER_CATEGORIES and g.count >= L)
+    return layer, spec.params_total - layer * L

@@ -39,7 +39,8 @@ def _workload_line(e: MemoryBreakdown) -> str:
     if w.world > 1 or w.zero:
         line += (f"\n{w.world} GPUs ({w.nodes} x {w.gpus}): dp {w.dp} x tp {w.tp}{' + SP' if w.sp else ''} x pp {w.pp}"
                  f"{f' (interleaved x{w.vpp})' if w.vpp > 1 else ''}, "
-                 + (f"DeepSpeed ZeRO-{w.zero}" if w.zero else ("DeepSpeed pipeline" if w.pp > 1 else "torch DDP"))
+                 + (f"DeepSpeed ZeRO-{w.zero}" if w.zero else f"FSDP {w.fsdp}" if w.fsdp != "none" else
+                    ("DeepSpeed pipeline" if w.pp > 1 else "torch DDP"))
                  + (f", offload {w.offload}" if w.offload != "none" else "") + "; every number is per GPU")
     return line
 
@@ -101,7 +102,8 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
                     f"(at {best.estimate.peak_phase})")
         if multi:
             c.print(f"layout: dp {best.dp} x tp {best.tp}{' + SP' if best.sp else ''} x pp {best.pp}"
-                    f"{f' (interleaved x{best.vpp})' if best.vpp > 1 else ''}, ZeRO-{best.zero_stage}, offload "
+                    f"{f' (interleaved x{best.vpp})' if best.vpp > 1 else ''}, "
+                    f"{f'FSDP {best.fsdp}' if best.fsdp != 'none' else f'ZeRO-{best.zero_stage}'}, offload "
                     f"{best.offload}; MFU {best.mfu:.0%}; step {best.step_seconds:.2f} s = "
                     + ", ".join(f"{k} {v:.2f}" for k, v in best.step_terms.items() if v))
         if s.why:
@@ -145,7 +147,7 @@ def print_verify(r) -> None:
 def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
     cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
     if multi:
-        cols += ("dp", "tp", "pp", "zero", "offload")
+        cols += ("dp", "tp", "pp", "sharding", "offload")
     t = Table(show_header=True, header_style="bold")
     for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
         t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload") else "right")
@@ -155,7 +157,8 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
                  else (str(p.micro_batch), p.precision, p.attn))
         if multi:
             knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
-                      str(p.zero_stage), p.offload)
+                      p.fsdp if p.fsdp != "none" else f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP",
+                      p.offload)
         t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
                   f"{p.tokens_per_s:,.0f}")
     c.print(t)

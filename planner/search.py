@@ -35,6 +35,7 @@ ATTNS = ("flash", "sdpa", "eager")
 CKPTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "all")
 OBJECTIVES = ("throughput", "min-gpus", "headroom")
+FSDPS = ("none", "full-shard", "shard-grad-op", "hybrid-shard")
 # FSDP's sharding strategy with the same partitioning, for accelerate users (PyTorch FSDP docs:
 # FULL_SHARD ~ ZeRO-3, SHARD_GRAD_OP ~ ZeRO-2, HYBRID_SHARD = FULL_SHARD inside a node, replicas across)
 FSDP_EQUIVALENT = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
@@ -64,7 +65,8 @@ class Plan(BaseModel):
     offload: str = "none"
     gpus: int = 1
     nodes: int = 1
-    fsdp_equivalent: str | None = None  # accelerate FSDP sharding strategy with the same partitioning
+    fsdp: str = "none"  # an FSDP plan (accelerate) instead of DeepSpeed / DDP
+    fsdp_equivalent: str | None = None  # for a ZeRO plan: the FSDP sharding strategy that partitions alike
     step_seconds: float = 0.0
     step_terms: dict[str, float] = {}  # seconds per step by cost term (docs/cost-model.md)
 
@@ -191,7 +193,7 @@ def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, us
 def _rank_key(c: Candidate, objective: str) -> tuple:
     w = c.base
     # deterministic: ties go to more headroom, fewer GPUs in TP/PP, then the knob values themselves
-    tail = (-c.headroom, w.tp * w.pp, w.zero, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
+    tail = (-c.headroom, w.tp * w.pp, w.zero, w.fsdp, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
             w.optim, w.sp, w.vpp)
     if objective == "headroom":
         return (-c.headroom, -round(c.samples_per_s, 6)) + tail
@@ -209,6 +211,7 @@ class Space(NamedTuple):
     offloads: list[str]
     sps: list[bool]
     vpps: list[int]
+    fsdps: list[str]
 
 
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
@@ -223,7 +226,10 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
     for tp, pp, dp in _layouts(spec, world, gpus, sp_.tps, sp_.pps, gb, notes):
         per_rank = gb // dp
         mbs = _divisors(per_rank)
-        for zero in sp_.zeros:
+        shardings = [(z, "none") for z in sp_.zeros]
+        if tp == pp == 1 and dp > 1:
+            shardings += [(0, f) for f in sp_.fsdps if f != "none" and (f != "hybrid-shard" or nodes > 1)]
+        for zero, fsdp in shardings:
             if pp > 1 and zero > 1:
                 continue  # DeepSpeed's pipeline engine refuses ZeRO-2/3
             for offload in sp_.offloads:
@@ -237,7 +243,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
                             continue
                         for prec in sp_.precisions:
                             for optim in sp_.optims:
-                                if zero and optim not in DEEPSPEED_OPTIMS:
+                                if (zero or fsdp != "none") and optim not in DEEPSPEED_OPTIMS:
                                     continue
                                 for ckpt in sp_.ckpts:
                                     for attn in sp_.attns:
@@ -245,7 +251,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
                                             base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank,
                                                             precision=prec, optim=optim, grad_ckpt=ckpt, attn=attn,
                                                             gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                                                            zero=zero, offload=offload, **common)
+                                                            zero=zero, offload=offload, fsdp=fsdp, **common)
                                             check_hardware(gpu, base)
                                         except (ValidationError, UserError):
                                             continue
@@ -274,9 +280,9 @@ def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
     return Plan(micro_batch=w.micro_batch, grad_accum=w.grad_accum, global_batch=w.global_batch, dp=w.dp, tp=w.tp,
                 pp=w.pp, zero_stage=w.zero, precision=w.precision, optim=w.optim, grad_ckpt=w.grad_ckpt, attn=w.attn,
                 seq_len=w.seq_len, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
-                estimate=est, sp=w.sp, vpp=w.vpp, offload=w.offload, gpus=w.gpus, nodes=w.nodes,
+                estimate=est, sp=w.sp, vpp=w.vpp, offload=w.offload, gpus=w.gpus, nodes=w.nodes, fsdp=w.fsdp,
                 fsdp_equivalent=(FSDP_EQUIVALENT[w.zero] if w.task == "train" and w.world > 1 and w.tp == w.pp == 1
-                                 else None),
+                                 and w.fsdp == "none" else None),
                 step_seconds=st.total if st else 0.0, step_terms=terms)
 
 
@@ -295,13 +301,22 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:+.1f} GiB"
 
 
+def _sharding_label(zero: int, fsdp: str) -> str:
+    return f"FSDP {fsdp}" if fsdp != "none" else (f"ZeRO-{zero}" if zero else "DDP")
+
+
+def _value(w: Workload, knob: str):
+    return (w.zero, w.fsdp) if knob == "sharding" else getattr(w, knob)
+
+
 def _knob(knob: str, v) -> str:
-    return {"zero": f"ZeRO-{v}", "offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}",
-            "sp": f"SP {'on' if v else 'off'}", "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}",
-            "vpp": f"interleave x{v}"}[knob]
+    if knob == "sharding":
+        return _sharding_label(*v)
+    return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
+            "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}"}[knob]
 
 
-WHY_KNOBS = ("zero", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
+WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
 FIXED = WHY_KNOBS + ("precision", "optim")
 
 
@@ -309,24 +324,26 @@ def _why(best: Candidate, cands: list[Candidate], space: "Space") -> list[str]:
     """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
     again): what it would cost in memory and speed, or that it does not fit."""
     w = best.base
-    searched = {"zero": space.zeros, "offload": space.offloads, "tp": space.tps, "pp": space.pps, "sp": space.sps,
-                "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
+    shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
+    searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
+                "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
     out = []
     for knob in WHY_KNOBS:
+        mine = _value(w, knob)
         seen: dict = {}
         for c in cands:
-            v = getattr(c.base, knob)
-            if v == getattr(w, knob) or any(getattr(c.base, k) != getattr(w, k) for k in FIXED if k != knob):
+            v = _value(c.base, knob)
+            if v == mine or any(_value(c.base, k) != _value(w, k) for k in FIXED if k != knob):
                 continue
             if v not in seen or c.samples_per_s > seen[v].samples_per_s:
                 seen[v] = c
         for v in searched[knob]:
-            if v == getattr(w, knob):
+            if v == mine:
                 continue
             c = seen.get(v)
-            change = f"{_knob(knob, v)} instead of {_knob(knob, getattr(w, knob))}"
+            change = f"{_knob(knob, v)} instead of {_knob(knob, mine)}"
             if c is None:
-                if knob in ("zero", "offload", "grad_ckpt", "attn"):
+                if knob in ("sharding", "offload", "grad_ckpt", "attn"):
                     out.append(f"{change}: does not fit or is not possible with the rest of this plan")
                 continue
             mem = c.device_used - best.device_used
@@ -340,6 +357,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
             grad_ckpt: str | None = None, attn: str | None = None, momentum: float = 0.0,
             headroom: float = 0.05, zero_grad: str = "set-to-none", top: int = 5, gpus: int = 1, nodes: int = 1,
             zero=None, offload: str | None = None, tp=None, pp=None, sp: str | None = None, vpp=None,
+            fsdp: str | None = None,
             cpu_mem: int | None = None, net_gbs: float | None = None, objective: str = "throughput") -> Suggestion:
     t0 = time.perf_counter()
     if top < 1:
@@ -385,6 +403,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         offloads=_parse_choice(offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
         sps=[s == "on" for s in _parse_choice(sp, ("off", "on"), ["off", "on"], "sp")],
         vpps=_parse_ints(vpp, [1, 2], "vpp"),
+        fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train else ["none"], "fsdp"),
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
@@ -418,7 +437,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         # on the best plan's layout (or the whole space when nothing fits): what precision / optimizer buy
         b0 = found[0].base if found else None
         layout = space if b0 is None else space._replace(
-            tps=[b0.tp], pps=[b0.pp], zeros=[b0.zero], offloads=[b0.offload], sps=[b0.sp], vpps=[b0.vpp])
+            tps=[b0.tp], pps=[b0.pp], zeros=[b0.zero], offloads=[b0.offload], sps=[b0.sp], vpps=[b0.vpp],
+            fsdps=[b0.fsdp])
         wider, m = _search(spec, gpu, task, seq, gb, shown_world[0], shown_world[1],
                            layout._replace(precisions=alt_prec, optims=alt_opt), common, cpu_mem, [])
         n += m
@@ -445,7 +465,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     searched = {"precision": precisions, "optim": optims, "grad_ckpt": ckpts, "attn": attns,
                 "tp": [str(x) for x in space.tps], "pp": [str(x) for x in space.pps],
                 "zero": [str(x) for x in space.zeros], "offload": space.offloads,
-                "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps]}
+                "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps],
+                "fsdp": space.fsdps}
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
                       nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n, decided=skipped[0],
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,

@@ -51,6 +51,9 @@ class Workload(BaseModel):
     sp: bool = False  # sequence parallel (with tp > 1)
     zero: int = Field(0, ge=0, le=3)  # 0: torch DDP; 1-3: DeepSpeed ZeRO stage
     offload: Literal["none", "optimizer", "all"] = "none"  # DeepSpeed offload to CPU ("all": + parameters)
+    # PyTorch FSDP2 through accelerate, instead of DeepSpeed (docs/parallel.md): full-shard ~ ZeRO-3,
+    # shard-grad-op ~ ZeRO-2, hybrid-shard = full-shard inside a node, replicated across nodes
+    fsdp: Literal["none", "full-shard", "shard-grad-op", "hybrid-shard"] = "none"
     net_gbs: float | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
 
     @field_validator("attn", mode="before")
@@ -103,6 +106,15 @@ class Workload(BaseModel):
         if self.pp > 1 and self.zero > 1:
             # deepspeed/runtime/pipe/engine.py asserts it
             raise ValueError("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed); use --zero 0 or 1")
+        if self.fsdp != "none":
+            if self.zero or self.tp > 1 or self.pp > 1:
+                raise ValueError("--fsdp is pure data parallelism here: not with --zero, --tp or --pp")
+            if self.precision not in ("fp32", "fp16", "bf16"):
+                raise ValueError(f"FSDP mixed precision is fp16 or bf16 (or fp32), not {self.precision}")
+            if self.task == "infer":
+                raise ValueError("--fsdp applies to training")
+            if self.optim not in DEEPSPEED_OPTIMS:
+                raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
         if self.zero and self.task == "infer":
             raise ValueError("--zero applies to training")
         if self.pp > 1 and self.task == "infer":

@@ -196,7 +196,7 @@ def test_more_gpus_never_make_a_fitting_plan_stop_fitting(model, gpus, batch):
             continue
         e = memplan.estimate(model, "a10g-24g", seq_len=1024, micro_batch=mb, grad_accum=accum,
                              precision=p.precision, optim=p.optim, grad_ckpt=p.grad_ckpt, attn=p.attn,
-                             gpus=gpus * 2, tp=p.tp, pp=p.pp, zero=p.zero_stage, offload=p.offload)
+                             gpus=gpus * 2, tp=p.tp, pp=p.pp, zero=p.zero_stage, offload=p.offload, fsdp=p.fsdp)
         assert e.fits
 
 
@@ -249,3 +249,24 @@ def test_search_screen_equals_the_estimate(model, gpus, nodes, tp, pp, zero, mb,
     except UserError:
         return
     assert estimator.screen(spec, gpu, w, mb, accum).device_used == e.device_used_bytes
+
+
+def test_fsdp_states_and_strategies():
+    """FSDP2 under accelerate's mixed precision: fp32 shards of params, grads and Adam's moments
+    (4 + 4 + 8 bytes per parameter / N); full-shard gathers a couple of layers and the root unit,
+    shard-grad-op keeps every parameter gathered in half from forward to backward, hybrid shards
+    over one node only."""
+    spec = memplan.resolve_model("llama-3.1-8b")
+    P = spec.params_total
+    kw = dict(precision="bf16", seq_len=2048, grad_ckpt="full", gpus=8, nodes=2)
+    full = memplan.estimate(spec, "a100-80g", fsdp="full-shard", **kw)
+    sgo = memplan.estimate(spec, "a100-80g", fsdp="shard-grad-op", **kw)
+    hybrid = memplan.estimate(spec, "a100-80g", fsdp="hybrid-shard", **kw)
+    b = full.breakdown
+    assert b["weights"] == pytest.approx(4 * P / 16, rel=1e-6)
+    assert b["optimizer_states"] == pytest.approx(8 * P / 16, rel=1e-6)
+    assert sgo.breakdown["gathered_params"] == 2 * P
+    assert hybrid.breakdown["weights"] == pytest.approx(4 * P / 8, rel=1e-6)
+    assert full.device_used_bytes < hybrid.device_used_bytes and full.device_used_bytes < sgo.device_used_bytes
+    with pytest.raises(UserError):
+        memplan.estimate(spec, "a100-80g", fsdp="full-shard", zero=3, **kw)
