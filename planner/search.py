@@ -235,8 +235,6 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
             for offload in sp_.offloads:
                 if (offload != "none" and zero == 0) or (offload == "all" and zero != 3):
                     continue
-                if world == 1 and zero and offload == "none":
-                    continue  # one GPU: ZeRO without offload partitions nothing (ZeRO-Offload is the case)
                 for sp in (sp_.sps if tp > 1 else [False]):
                     for vpp in (sp_.vpps if pp > 1 else [1]):
                         if vpp > 1 and (spec.total_layers % (pp * vpp)):
@@ -408,7 +406,20 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
     skipped = [0]
-    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, notes, skipped)
+    # One GPU: the plain Trainer unless it cannot fit. DeepSpeed there partitions nothing; it only changes
+    # the numerics (a half model with an fp32 master copy instead of autocast) or offloads to the host.
+    deepspeed_later = world == 1 and train and zero is None and offload is None and fsdp is None
+    first = space._replace(zeros=[0], offloads=["none"]) if deepspeed_later else space
+    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, first, common, cpu_mem, notes, skipped)
+    if deepspeed_later:
+        if found:
+            space = first
+        else:
+            more, m = _search(spec, gpu, task, seq, gb, gpus, nodes, space._replace(zeros=[1, 2, 3]), common,
+                              cpu_mem, notes, skipped)
+            found, n = more, n + m
+            if found:
+                notes.append("the plain Trainer does not fit one GPU: DeepSpeed ZeRO with offload does")
     shown_world = (gpus, nodes)
     if objective == "min-gpus" and found:
         # the fewest GPUs of this kind (whole nodes past one node) on which some plan fits
@@ -463,10 +474,13 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     if not found:
         notes.append(_nothing_fits(spec, gpu, task, seq, gb, gpus, nodes, space, common, cpu_mem, train))
     searched = {"precision": precisions, "optim": optims, "grad_ckpt": ckpts, "attn": attns,
-                "tp": [str(x) for x in space.tps], "pp": [str(x) for x in space.pps],
-                "zero": [str(x) for x in space.zeros], "offload": space.offloads,
-                "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps],
-                "fsdp": space.fsdps}
+                "micro_batch": ["divisors of the per-rank batch"]}
+    if world > 1:
+        searched |= {"tp": [str(x) for x in space.tps], "pp": [str(x) for x in space.pps],
+                     "sp": ["on" if s else "off" for s in space.sps], "vpp": [str(x) for x in space.vpps],
+                     "fsdp": space.fsdps}
+    if world > 1 or space.zeros != [0]:
+        searched |= {"zero": [str(x) for x in space.zeros], "offload": space.offloads}
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
                       nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n, decided=skipped[0],
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
