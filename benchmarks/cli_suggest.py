@@ -51,14 +51,21 @@ def main() -> None:
     main_cmd = "memplan suggest --model bert-large --gpu v100-16g"
     ratio = results["baseline: python -c 'import torch'"]["median_s"] / results[main_cmd]["median_s"]
     print(f"suggest vs. a bare `import torch`: {ratio:.2f}x faster")
-    doc = {"command": "python benchmarks/cli_suggest.py --runs %d" % args.runs,
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python "
-                      f"{platform.python_version()}",
-           "results": results, "import_torch_over_suggest": ratio}
-    tmp = args.out + ".tmp"
+    save({"command": "python benchmarks/cli_suggest.py --runs %d" % args.runs, "machine": machine(),
+          "results": results, "import_torch_over_suggest": ratio}, args.out)
+
+
+def machine() -> str:
+    return (f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python "
+            f"{platform.python_version()}")
+
+
+def save(doc: dict, path: str) -> None:
+    """Write the results atomically."""
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
-    os.replace(tmp, args.out)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
+
+from cli_suggest import machine, save, time_runs  # same folder: run as python benchmarks/search_speed.py
 
 MUST_SHOW = ["suggest", "--model", "llama-3.1-70b", "--gpu", "h100-80g", "--gpus", "8", "--nodes", "8",
              "--seq-len", "4096", "--batch-size", "1024", "--json"]
@@ -36,15 +35,6 @@ SEARCHES = {
     "llama-3.1-70b, 64 x h100-80g, seq 4096, batch 1024": ("llama-3.1-70b", "h100-80g", 8, 8, 4096, 1024),
     "llama-3.1-405b, 1024 x h100-80g, seq 8192, batch 2048": ("llama-3.1-405b", "h100-80g", 8, 128, 8192, 2048),
 }
-
-
-def time_cli(cmd: list[str], runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 SEARCH_CHILD = """
@@ -92,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     cli = {}
     for name, cmd in CLI.items():
-        times = time_cli(cmd, args.runs)
+        times = time_runs(cmd, args.runs)
         cli[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": times}
         print(f"{name:100s} median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f})")
     searches = {}
@@ -102,14 +92,8 @@ def main() -> None:
         print(f"{name}: {r['candidates']:,} candidates evaluated (+{r['decided_without_evaluating']:,} decided by "
               f"monotonicity); cold {r['cold_median_s']:.3f} s = {r['cold_candidates_per_s']:,.0f}/s, warm "
               f"{r['warm_median_s']:.3f} s = {r['warm_candidates_per_s']:,.0f}/s")
-    doc = {"command": f"python benchmarks/search_speed.py --runs {args.runs}",
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python "
-                      f"{platform.python_version()}",
-           "cli": cli, "searches": searches}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, args.out)
+    save({"command": f"python benchmarks/search_speed.py --runs {args.runs}", "machine": machine(), "cli": cli,
+          "searches": searches}, args.out)
 
 
 if __name__ == "__main__":

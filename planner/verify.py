@@ -445,6 +445,9 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     work.setdefault("seq_len", default_seq_len(spec, "train"))
     est = api.estimate(spec, prof, **work)
     w = est.workload
+    if w.world > 1 or w.zero or w.fsdp != "none":
+        raise UserError("verify runs the single-GPU Trainer step; multi-GPU plans (data / tensor / pipeline "
+                        "parallel, ZeRO, FSDP) are not verified yet")
     config, head = resolve_config(model, head, trust_remote_code)
     note = {"cuda": f"real run on {torch.cuda.get_device_name() if device == 'cuda' else ''}",
             "cpu": "real run on the CPU with CUDA memory semantics (memplan.cudasim), tensors counted",

@@ -270,3 +270,13 @@ def test_fsdp_states_and_strategies():
     assert full.device_used_bytes < hybrid.device_used_bytes and full.device_used_bytes < sgo.device_used_bytes
     with pytest.raises(UserError):
         memplan.estimate(spec, "a100-80g", fsdp="full-shard", zero=3, **kw)
+
+
+def test_verify_refuses_multi_gpu_plans(tmp_path):
+    from memplan.verify import run
+
+    s = memplan.suggest("gpt2", "a100-80g", seq_len=128, global_batch=8, gpus=2, top=1)
+    plan = tmp_path / "plan.json"
+    plan.write_text(s.model_dump_json())
+    with pytest.raises(UserError, match="multi-GPU"):
+        run(model=None, gpu=None, plan_file=str(plan), device="fake", steps=1)
