@@ -305,9 +305,9 @@ def _training(spec: ModelSpec, w: Workload, mb: int, m: int):
     return best
 
 
-def deepspeed(w: Workload) -> bool:
-    """The model runs in half precision with sharded fp32 states: DeepSpeed (any ZeRO stage, or its
-    PipelineEngine) or FSDP with its mixed-precision policy."""
+def half_model(w: Workload) -> bool:
+    """The model itself runs in half precision and the fp32 states live elsewhere: DeepSpeed (any ZeRO
+    stage, or its PipelineEngine) or FSDP with accelerate's mixed-precision policy."""
     return w.zero > 0 or w.pp > 1 or w.fsdp != "none"
 
 
@@ -330,7 +330,7 @@ def _memo(spec: ModelSpec, key: tuple, make):
 
 def _train_precision(w: Workload):
     prec = PRECISIONS[w.precision]
-    if deepspeed(w) and prec.autocast:  # DeepSpeed casts the model to half: pure half activations
+    if half_model(w) and prec.autocast:  # no autocast: the activations of a pure half model
         prec = PRECISIONS[f"{prec.half}-pure"]
     return prec
 
@@ -366,7 +366,7 @@ def _stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) 
 def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) -> StageStates:
     prec = _train_precision(w)
     rule = OPTIMIZERS[w.optim]
-    ds = deepspeed(w)
+    ds = half_model(w)
     last = stage == w.pp - 1
     groups = stage_params(spec, w.tp, w.pp, stage)
     tied = -(-spec.vocab_size // w.tp) * spec.hidden_size if (tied_head(spec) and last and w.pp == 1) else 0
@@ -458,7 +458,7 @@ class StageNumbers(NamedTuple):
 def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) -> StageNumbers:
     st = _stage_states(spec, w, stage, m > 1)
     sa = _stage_acts(spec, w, mb)
-    ds = deepspeed(w)
+    ds = half_model(w)
     first, last = stage == 0, stage == w.pp - 1
     n_enc, n_dec = st.n_enc, st.n_dec
     n_layers = n_enc + n_dec
@@ -542,7 +542,9 @@ def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
         parts["autocast_cache"] = n.c_all if peak_phase == "forward-loss" else n.c_bwd
         parts["activations"] = n.acts - (n.lsm if peak_phase == "backward-layer" else 0)
     notes: list[str] = []
-    if m > 1 and not deepspeed(w):
+    if OPTIMIZERS[w.optim].paged:
+        notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
+    if m > 1 and not half_model(w):
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
     if w.pp > 1:
         notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({st.n_enc + st.n_dec} layers, "

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from itertools import product
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cost import throughput
+from .ranking import Candidate, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import MemoryBreakdown, check_hardware, peak, report, screen, supported_attn, tp_problem
 from .modelspec import ModelSpec
@@ -141,24 +143,6 @@ def _parse_ints(value, every: list[int], what: str) -> list[int]:
     return out
 
 
-class Candidate(NamedTuple):
-    """One evaluated plan, kept light: the Plan document is built only for what is shown."""
-
-    base: Workload  # every knob but the micro batch and accumulation
-    mb: int
-    m: int
-    device_used: int
-    headroom: int
-    samples_per_s: float
-    tokens_per_s: float
-    mfu: float
-    step: object  # cost.StepTime
-
-    @property
-    def w(self) -> Workload:
-        return self.base.model_copy(update={"micro_batch": self.mb, "grad_accum": self.m})
-
-
 def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: list[str]):
     """(tp, pp, dp) over the GPUs: TP inside a node dividing the heads, PP over the layers, and a DP
     degree that divides the global batch."""
@@ -190,16 +174,6 @@ def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, us
                      thr.terms)
 
 
-def _rank_key(c: Candidate, objective: str) -> tuple:
-    w = c.base
-    # deterministic: ties go to more headroom, fewer GPUs in TP/PP, then the knob values themselves
-    tail = (-c.headroom, w.tp * w.pp, w.zero, w.fsdp, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
-            w.optim, w.sp, w.vpp)
-    if objective == "headroom":
-        return (-c.headroom, -round(c.samples_per_s, 6)) + tail
-    return (-round(c.samples_per_s, 6),) + tail
-
-
 class Space(NamedTuple):
     precisions: list[str]
     optims: list[str]
@@ -214,59 +188,56 @@ class Space(NamedTuple):
     fsdps: list[str]
 
 
+def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nodes: int, tp: int, pp: int,
+           dp: int, per_rank: int, sp_: Space, common: dict):
+    """Every valid setting of the knobs other than the micro batch, for one layout."""
+    shardings = [(z, "none") for z in sp_.zeros]
+    if tp == pp == 1 and dp > 1:
+        shardings += [(0, f) for f in sp_.fsdps if f != "none" and (f != "hybrid-shard" or nodes > 1)]
+    sps = sp_.sps if tp > 1 else [False]
+    vpps = [v for v in sp_.vpps if v == 1 or spec.total_layers % (pp * v) == 0] if pp > 1 else [1]
+    for (zero, fsdp), offload, sp, vpp, prec, optim, ckpt, attn in product(
+            shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns):
+        if (offload != "none" and zero == 0) or (offload == "all" and zero != 3) or (pp > 1 and zero > 1):
+            continue  # offload is DeepSpeed's; DeepSpeed's pipeline engine refuses ZeRO-2/3
+        if (zero or fsdp != "none") and optim not in DEEPSPEED_OPTIMS:
+            continue
+        try:
+            base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank, precision=prec, optim=optim,
+                            grad_ckpt=ckpt, attn=attn, gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
+                            zero=zero, offload=offload, fsdp=fsdp, **common)
+            check_hardware(gpu, base)
+        except (ValidationError, UserError):
+            continue
+        yield base
+
+
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
             common: dict, cpu_mem: int | None, notes: list[str], skipped: list[int] | None = None
             ) -> tuple[list[Candidate], int]:
     """Every fitting candidate, and how many were evaluated; `skipped` (if given) counts the ones
     decided without evaluation (provably too large)."""
-    world = gpus * nodes
     found: list[Candidate] = []
     n = 0
     usable = int(gpu.memory_bytes * (1 - common["headroom"]))
-    for tp, pp, dp in _layouts(spec, world, gpus, sp_.tps, sp_.pps, gb, notes):
+    for tp, pp, dp in _layouts(spec, gpus * nodes, gpus, sp_.tps, sp_.pps, gb, notes):
         per_rank = gb // dp
         mbs = _divisors(per_rank)
-        shardings = [(z, "none") for z in sp_.zeros]
-        if tp == pp == 1 and dp > 1:
-            shardings += [(0, f) for f in sp_.fsdps if f != "none" and (f != "hybrid-shard" or nodes > 1)]
-        for zero, fsdp in shardings:
-            if pp > 1 and zero > 1:
-                continue  # DeepSpeed's pipeline engine refuses ZeRO-2/3
-            for offload in sp_.offloads:
-                if (offload != "none" and zero == 0) or (offload == "all" and zero != 3):
+        for base in _bases(spec, gpu, task, seq, gpus, nodes, tp, pp, dp, per_rank, sp_, common):
+            last_failed = False
+            for mb in mbs:
+                if last_failed and mb != per_rank:
+                    if skipped is not None:  # provably does not fit: memory grows with the micro batch
+                        skipped[0] += 1
                     continue
-                for sp in (sp_.sps if tp > 1 else [False]):
-                    for vpp in (sp_.vpps if pp > 1 else [1]):
-                        if vpp > 1 and (spec.total_layers % (pp * vpp)):
-                            continue
-                        for prec in sp_.precisions:
-                            for optim in sp_.optims:
-                                if (zero or fsdp != "none") and optim not in DEEPSPEED_OPTIMS:
-                                    continue
-                                for ckpt in sp_.ckpts:
-                                    for attn in sp_.attns:
-                                        try:
-                                            base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank,
-                                                            precision=prec, optim=optim, grad_ckpt=ckpt, attn=attn,
-                                                            gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                                                            zero=zero, offload=offload, fsdp=fsdp, **common)
-                                            check_hardware(gpu, base)
-                                        except (ValidationError, UserError):
-                                            continue
-                                        last_failed = False
-                                        for mb in mbs:
-                                            if last_failed and mb != per_rank:
-                                                if skipped is not None:  # provably does not fit (monotone in mb)
-                                                    skipped[0] += 1
-                                                continue
-                                            if vpp > 1 and (per_rank // mb) % pp:
-                                                continue  # the interleaved schedule needs m % pp == 0
-                                            n += 1
-                                            c = _evaluate(spec, gpu, base, mb, per_rank // mb, usable, cpu_mem)
-                                            if c is None:
-                                                last_failed = True
-                                                continue
-                                            found.append(c)
+                if base.vpp > 1 and (per_rank // mb) % pp:
+                    continue  # the interleaved schedule needs m % pp == 0
+                n += 1
+                c = _evaluate(spec, gpu, base, mb, per_rank // mb, usable, cpu_mem)
+                if c is None:
+                    last_failed = True
+                    continue
+                found.append(c)
     return found, n
 
 
@@ -282,72 +253,6 @@ def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
                 fsdp_equivalent=(FSDP_EQUIVALENT[w.zero] if w.task == "train" and w.world > 1 and w.tp == w.pp == 1
                                  and w.fsdp == "none" else None),
                 step_seconds=st.total if st else 0.0, step_terms=terms)
-
-
-def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Plans that no other plan beats on both device memory and samples/s, least memory first."""
-    front: list[Candidate] = []
-    best = -1.0
-    for c in sorted(cands, key=lambda c: (c.device_used, -c.samples_per_s)):
-        if c.samples_per_s > best:
-            front.append(c)
-            best = c.samples_per_s
-    return front
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:+.1f} GiB"
-
-
-def _sharding_label(zero: int, fsdp: str) -> str:
-    return f"FSDP {fsdp}" if fsdp != "none" else (f"ZeRO-{zero}" if zero else "DDP")
-
-
-def _value(w: Workload, knob: str):
-    return (w.zero, w.fsdp) if knob == "sharding" else getattr(w, knob)
-
-
-def _knob(knob: str, v) -> str:
-    if knob == "sharding":
-        return _sharding_label(*v)
-    return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
-            "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}"}[knob]
-
-
-WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
-FIXED = WHY_KNOBS + ("precision", "optim")
-
-
-def _why(best: Candidate, cands: list[Candidate], space: "Space") -> list[str]:
-    """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
-    again): what it would cost in memory and speed, or that it does not fit."""
-    w = best.base
-    shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
-    searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
-                "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
-    out = []
-    for knob in WHY_KNOBS:
-        mine = _value(w, knob)
-        seen: dict = {}
-        for c in cands:
-            v = _value(c.base, knob)
-            if v == mine or any(_value(c.base, k) != _value(w, k) for k in FIXED if k != knob):
-                continue
-            if v not in seen or c.samples_per_s > seen[v].samples_per_s:
-                seen[v] = c
-        for v in searched[knob]:
-            if v == mine:
-                continue
-            c = seen.get(v)
-            change = f"{_knob(knob, v)} instead of {_knob(knob, mine)}"
-            if c is None:
-                if knob in ("sharding", "offload", "grad_ckpt", "attn"):
-                    out.append(f"{change}: does not fit or is not possible with the rest of this plan")
-                continue
-            mem = c.device_used - best.device_used
-            speed = c.samples_per_s / best.samples_per_s - 1
-            out.append(f"{change}: {_gib(mem)}, {speed:+.0%} tokens/s (micro batch {c.mb})")
-    return out
 
 
 def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: int | None = None,
@@ -429,10 +334,10 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
             if f2:
                 found, shown_world = f2, (g, nn)
                 break
-    found.sort(key=lambda c: _rank_key(c, objective))
+    found.sort(key=lambda c: rank_key(c, objective))
     plans = [_plan(spec, gpu, c) for c in found[:top]]
     front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
-    why = _why(found[0], found, space) if found else []
+    why = explain(found[0], found, space) if found else []
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
                      f"{shown_world[0]})")
@@ -453,7 +358,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         wider, m = _search(spec, gpu, task, seq, gb, shown_world[0], shown_world[1],
                            layout._replace(precisions=alt_prec, optims=alt_opt), common, cpu_mem, [])
         n += m
-        wider.sort(key=lambda c: _rank_key(c, objective))
+        wider.sort(key=lambda c: rank_key(c, objective))
         best = found[0] if found else None
         seen: set[tuple[str, str]] = set()
         for c in wider:

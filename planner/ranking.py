@@ -1,0 +1,102 @@
+"""Ranking plans: the order of `suggest`'s plans, the Pareto front of memory vs speed, and why the
+first plan is first (docs/cost-model.md, "Ranking")."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .workload import Workload
+
+
+class Candidate(NamedTuple):
+    """One evaluated plan, kept light: the Plan document is built only for what is shown."""
+
+    base: Workload  # every knob but the micro batch and accumulation
+    mb: int
+    m: int
+    device_used: int
+    headroom: int
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    step: object  # cost.StepTime
+
+    @property
+    def w(self) -> Workload:
+        return self.base.model_copy(update={"micro_batch": self.mb, "grad_accum": self.m})
+
+
+def rank_key(c: Candidate, objective: str) -> tuple:
+    w = c.base
+    # deterministic: ties go to more headroom, fewer GPUs in TP/PP, then the knob values themselves
+    tail = (-c.headroom, w.tp * w.pp, w.zero, w.fsdp, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
+            w.optim, w.sp, w.vpp)
+    if objective == "headroom":
+        return (-c.headroom, -round(c.samples_per_s, 6)) + tail
+    return (-round(c.samples_per_s, 6),) + tail
+
+
+def pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Plans that no other plan beats on both device memory and samples/s, least memory first."""
+    front: list[Candidate] = []
+    best = -1.0
+    for c in sorted(cands, key=lambda c: (c.device_used, -c.samples_per_s)):
+        if c.samples_per_s > best:
+            front.append(c)
+            best = c.samples_per_s
+    return front
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:+.1f} GiB"
+
+
+def _sharding_label(zero: int, fsdp: str) -> str:
+    return f"FSDP {fsdp}" if fsdp != "none" else (f"ZeRO-{zero}" if zero else "DDP")
+
+
+def _value(w: Workload, knob: str):
+    return (w.zero, w.fsdp) if knob == "sharding" else getattr(w, knob)
+
+
+def _knob(knob: str, v) -> str:
+    if knob == "sharding":
+        return _sharding_label(*v)
+    return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
+            "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}"}[knob]
+
+
+WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
+FIXED = WHY_KNOBS + ("precision", "optim")
+
+
+def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
+    """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
+    again): what it would cost in memory and speed, or that it does not fit."""
+    w = best.base
+    shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
+    searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
+                "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
+    out = []
+    for knob in WHY_KNOBS:
+        mine = _value(w, knob)
+        seen: dict = {}
+        for c in cands:
+            v = _value(c.base, knob)
+            if v == mine or any(_value(c.base, k) != _value(w, k) for k in FIXED if k != knob):
+                continue
+            if v not in seen or c.samples_per_s > seen[v].samples_per_s:
+                seen[v] = c
+        for v in searched[knob]:
+            if v == mine:
+                continue
+            c = seen.get(v)
+            change = f"{_knob(knob, v)} instead of {_knob(knob, mine)}"
+            if c is None:
+                if knob in ("sharding", "offload", "grad_ckpt", "attn"):
+                    out.append(f"{change}: does not fit or is not possible with the rest of this plan")
+                continue
+            mem = c.device_used - best.device_used
+            speed = c.samples_per_s / best.samples_per_s - 1
+            out.append(f"{change}: {_gib(mem)}, {speed:+.0%} tokens/s (micro batch {c.mb})")
+    return out
