@@ -115,3 +115,23 @@ class ModelSpec(BaseModel):
         if self.arch == "vision":
             return (self.image_size // self.patch_size) ** 2 + 1
         return self.max_position
+
+
+def megatron_gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
+    """The GPT of the Megatron-LM papers (Narayanan et al. 2021, Korthikanti et al. 2022): LayerNorm,
+    fused QKV with biases, a 4h GeLU MLP, learned positions, a head tied to the embeddings, dropout.
+    For planning architectures that have no config file, and for comparing with published numbers."""
+    h, L = hidden, layers
+    params = (
+        ParamGroup(category="embeddings", shape=(vocab, h)), ParamGroup(category="embeddings", shape=(seq, h)),
+        ParamGroup(category="attention", shape=(3 * h, h), count=L), ParamGroup(category="attention", shape=(3 * h,), count=L),
+        ParamGroup(category="attention", shape=(h, h), count=L), ParamGroup(category="attention", shape=(h,), count=L),
+        ParamGroup(category="mlp", shape=(4 * h, h), count=L), ParamGroup(category="mlp", shape=(4 * h,), count=L),
+        ParamGroup(category="mlp", shape=(h, 4 * h), count=L), ParamGroup(category="mlp", shape=(h,), count=L),
+        ParamGroup(category="norms", shape=(h,), count=4 * L + 2),
+    )
+    return ModelSpec(name=f"megatron-gpt-{L}x{h}", model_type="megatron_gpt", arch="decoder", head="causal-lm",
+                     num_layers=L, hidden_size=h, num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
+                     intermediate_size=4 * h, vocab_size=vocab, max_position=seq, mlp="plain", activation="gelu",
+                     norm="layernorm", position="learned", hidden_dropout=0.1, attention_dropout=0.1,
+                     tie_embeddings=True, params=params)

@@ -302,11 +302,12 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         precisions, optims, ckpts, attns,
         tps=_parse_ints(tp, _divisors(gpus), "tp"),
         pps=_parse_ints(pp, _divisors(world) if train else [1], "pp"),
-        zeros=_parse_ints(zero, [0, 1, 2, 3] if train else [0], "zero"),
+        zeros=_parse_ints(zero, [0, 1, 2, 3] if train and fsdp is None else [0], "zero"),
         offloads=_parse_choice(offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
         sps=[s == "on" for s in _parse_choice(sp, ("off", "on"), ["off", "on"], "sp")],
         vpps=_parse_ints(vpp, [1, 2], "vpp"),
-        fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train else ["none"], "fsdp"),
+        # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
+        fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train and zero is None else ["none"], "fsdp"),
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []

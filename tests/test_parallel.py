@@ -286,3 +286,15 @@ def test_verify_refuses_multi_gpu_plans(tmp_path):
     plan.write_text(s.model_dump_json())
     with pytest.raises(UserError, match="multi-GPU"):
         run(model=None, gpu=None, plan_file=str(plan), device="fake", steps=1)
+
+
+def test_cost_model_reproduces_published_findings():
+    """benchmarks/published.py: Narayanan et al. 2021's layout findings hold in memplan's ranking."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    from published import findings
+
+    for name, r in findings().items():
+        assert r["holds"], (name, r["memplan"])
