@@ -225,7 +225,8 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
         eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * spec.hidden_size / (spec.hidden_size + HIDDEN_HALF)
         fwd = 2 * active_params(spec) * tokens
         t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
-        return Throughput(t, mb / t, tokens / t, fwd / (t * peak * 1e12))
+        # every data-parallel replica serves its own batches
+        return Throughput(t, mb * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
     model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
     st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
                    params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)

@@ -166,6 +166,8 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int | None = None, m
     mb = w.micro_batch if mb is None else mb
     m = w.grad_accum if m is None else m
     if w.task == "infer":
+        if mb != w.micro_batch:
+            raise ValueError("peak(): inference reads the batch from the workload")
         parts, phases, peak_phase, act_ts, notes, per_layer = _inference(spec, w)
         extra = {"cpu": 0, "n_params": spec.params_total, "saved": parts["transient"],
                  "state": parts["weights"] + parts["kv_cache"], "persistent_segments": _segments(_persistent_tensors(spec, w, list(spec.params))),

@@ -165,7 +165,10 @@ def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: l
 
 def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int,
               cpu_mem: int | None) -> Candidate | None:
-    p = screen(spec, gpu, w, mb, m) if w.task == "train" else peak(spec, gpu, w, mb, m)
+    if w.task == "train":
+        p = screen(spec, gpu, w, mb, m)
+    else:  # inference has no screen: its estimate reads the batch from the workload
+        p = peak(spec, gpu, w.model_copy(update={"micro_batch": mb, "grad_accum": m}))
     if p.device_used > usable or (cpu_mem is not None and p.cpu_per_gpu * w.gpus > cpu_mem):
         return None
     half = w.precision != "fp32"
@@ -300,7 +303,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     train = task == "train"
     space = Space(
         precisions, optims, ckpts, attns,
-        tps=_parse_ints(tp, _divisors(gpus), "tp"),
+        tps=_parse_ints(tp, _divisors(gpus) if train else [1], "tp"),
         pps=_parse_ints(pp, _divisors(world) if train else [1], "pp"),
         zeros=_parse_ints(zero, [0, 1, 2, 3] if train and fsdp is None else [0], "zero"),
         offloads=_parse_choice(offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),

@@ -117,8 +117,8 @@ class Workload(BaseModel):
                 raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
         if self.zero and self.task == "infer":
             raise ValueError("--zero applies to training")
-        if self.pp > 1 and self.task == "infer":
-            raise ValueError("--pp applies to training")
+        if (self.pp > 1 or self.tp > 1) and self.task == "infer":
+            raise ValueError("--tp / --pp apply to training (tensor-parallel inference is not modelled yet)")
         return self
 
     @property

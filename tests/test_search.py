@@ -53,3 +53,14 @@ def test_every_plan_fits_and_honours_global_batch(model, gpu, batch, seq):
         assert p.estimate.fits
         assert p.micro_batch * p.grad_accum * p.dp == batch
     assert [p.samples_per_s for p in s.plans] == sorted((p.samples_per_s for p in s.plans), reverse=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(model=st.sampled_from(["gpt2", "llama-3.2-1b", "llama-3.1-8b", "t5-small"]),
+       gpu=st.sampled_from(["t4-16g", "a10g-24g", "a100-40g"]), gpus=st.sampled_from([1, 4]),
+       batch=st.sampled_from([8, 32]))
+def test_every_inference_plan_fits(model, gpu, gpus, batch):
+    s = memplan.suggest(model, gpu, task="infer", global_batch=batch, seq_len=256, gpus=gpus, top=10)
+    for p in s.plans:
+        assert p.estimate.fits and p.estimate.device_used_bytes <= p.estimate.usable_bytes
+        assert p.micro_batch * p.grad_accum * p.dp == batch
