@@ -26,14 +26,35 @@ class Candidate(NamedTuple):
         return self.base.model_copy(update={"micro_batch": self.mb, "grad_accum": self.m})
 
 
+def speed_key(samples_per_s: float) -> float:
+    """Speeds equal to 4 significant digits are a tie: the cost model is not that precise, and the
+    tie goes to the plan with more headroom."""
+    return float(f"{samples_per_s:.4g}")
+
+
 def rank_key(c: Candidate, objective: str) -> tuple:
     w = c.base
     # deterministic: ties go to more headroom, fewer GPUs in TP/PP, then the knob values themselves
     tail = (-c.headroom, w.tp * w.pp, w.zero, w.fsdp, w.offload, c.m, w.grad_ckpt, w.attn, w.precision,
             w.optim, w.sp, w.vpp)
     if objective == "headroom":
-        return (-c.headroom, -round(c.samples_per_s, 6)) + tail
-    return (-round(c.samples_per_s, 6),) + tail
+        return (-c.headroom, -speed_key(c.samples_per_s)) + tail
+    return (-speed_key(c.samples_per_s),) + tail
+
+
+def distinct(cands: list[Candidate]) -> list[Candidate]:
+    """Ranked candidates without those that differ from an earlier one only in a knob that changes
+    nothing (SDPA and FlashAttention-2 save the same tensors and cost the same here): the first stays,
+    and `explain` still says what the other costs."""
+    seen: set = set()
+    out = []
+    for c in cands:
+        knobs = tuple(v for k, v in c.base.__dict__.items() if k != "attn")
+        key = (knobs, c.base.attn == "eager", c.mb, c.device_used, c.samples_per_s)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def pareto(cands: list[Candidate]) -> list[Candidate]:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cost import throughput
-from .ranking import Candidate, explain, pareto, rank_key
+from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import MemoryBreakdown, check_hardware, peak, report, screen, supported_attn, tp_problem
 from .modelspec import ModelSpec
@@ -339,8 +339,9 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                 found, shown_world = f2, (g, nn)
                 break
     found.sort(key=lambda c: rank_key(c, objective))
-    plans = [_plan(spec, gpu, c) for c in found[:top]]
-    front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
+    shown = distinct(found)
+    plans = [_plan(spec, gpu, c) for c in shown[:top]]
+    front = [_plan(spec, gpu, c) for c in pareto(shown)][:12]
     why = explain(found[0], found, space) if found else []
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
