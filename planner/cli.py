@@ -75,9 +75,10 @@ def _parallel_options(search: bool):
             click.option("--sp", help="sequence parallel with TP: on, off" + (many or " [default: off]")),
             click.option("--vpp", help="virtual stages per GPU (interleaved 1F1B)" + (many or " [default: 1]")),
             click.option("--cpu-mem", type=float, help="host RAM per node in GiB, for offload [default: not checked]"),
-            click.option("--net-gbs", type=float, help="inter-node GB/s per GPU [default: by GPU generation, "
-                         "docs/cost-model.md]"),
         ]
+        if search:  # only the ranking's cost model reads the network
+            opts.append(click.option("--net-gbs", type=float, help="inter-node GB/s per GPU [default: by GPU "
+                                     "generation, docs/cost-model.md]"))
         for opt in reversed(opts):
             f = opt(f)
         return f
@@ -93,12 +94,11 @@ def _one_int(value, name: str, default: int) -> int:
         raise UserError(f"--{name}: expected a number, got {value!r}") from None
 
 
-def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp, net_gbs) -> dict:
+def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
     if sp not in (None, "on", "off"):
         raise UserError(f"--sp: expected on or off, got {sp!r}")
     return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), fsdp=fsdp or "none", offload=offload or "none",
-                tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1),
-                net_gbs=net_gbs)
+                tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1))
 
 
 def _cpu_mem(gib: float | None) -> int | None:
@@ -127,7 +127,7 @@ def cli() -> None:
 @_parallel_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
              as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes, zero, fsdp,
-             offload, tp, pp, sp, vpp, cpu_mem, net_gbs) -> None:
+             offload, tp, pp, sp, vpp, cpu_mem) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from . import api
     from .search import best_mixed_precision, default_seq_len
@@ -140,7 +140,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
                        grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
                        grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
                        zero_grad=zero_grad, headroom=headroom,
-                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp, net_gbs))
+                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp))
     limit = _cpu_mem(cpu_mem)
     if limit is not None and est.cpu_ram_per_node_bytes > limit:
         est = est.model_copy(update={"fits": False, "notes": est.notes + [
