@@ -360,6 +360,8 @@ class StageStates(NamedTuple):
 
 
 def _stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: bool) -> StageStates:
+    # accumulation changes the states only through offload's host accumulation buffer (ZeRO-1/2)
+    accumulating = accumulating and w.offload != "none" and w.zero in (1, 2)
     key = ("states", stage, w.tp, w.pp, w.zero, w.dp, w.offload, w.fsdp, w.precision, w.optim, w.momentum > 0,
            accumulating)
     return _memo(spec, key, lambda: _make_stage_states(spec, w, stage, accumulating))
@@ -418,7 +420,6 @@ class StageActs(NamedTuple):
     loss_forward: int
     loss_backward: int
     layer_backward: int
-    per_layer: dict[str, int]
 
 
 def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
@@ -433,8 +434,7 @@ def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
         r = _rounded_tensors
         return StageActs(am, r(am.layer), r(am.decoder_layer), r(am.embed), r(am.head_saved),
                          r([t for t in am.head_saved if t.name.startswith("log_softmax")]), r(am.layer_input),
-                         r(am.layer_core), r(am.loss_forward), r(am.loss_backward), r(am.layer_backward),
-                         _per_layer_terms(am.layer))
+                         r(am.layer_core), r(am.loss_forward), r(am.loss_backward), r(am.layer_backward))
     return _memo(spec, key, make)
 
 
@@ -554,34 +554,7 @@ def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
     extra = {"cpu": st.cpu, "n_params": st.n_params, "persistent_segments": st.persistent_segments,
              "act_segments": _act_segments(spec, w, stage, n), "saved": n.acts,
              "state": st.weights + st.grads + st.states}
-    return parts, n.phases, peak_phase, notes, n.sa.per_layer, extra
-
-
-class Screen(NamedTuple):
-    """What the search needs of a candidate: `peak` without the breakdown."""
-
-    device_used: int
-    cpu_per_gpu: int
-    params_per_gpu: int
-    saved_activations: int
-    state_bytes: int
-
-
-def screen(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int) -> Screen:
-    """Device used of the worst stage, as `peak` computes it (a test holds the two equal), without
-    naming the parts: the search calls this for every candidate."""
-    best = None
-    for stage in ((0, w.pp - 1) if w.pp > 1 else (0,)):
-        n = _stage_numbers(spec, w, stage, mb, m)
-        if best is None or n.phases[n.peak_phase] > best[1].phases[best[1].peak_phase]:
-            best = (stage, n)
-    stage, n = best
-    st = n.st
-    allocated = n.phases[n.peak_phase] + CUBLAS_WORKSPACE[gpu.compute_capability >= (9, 0)]
-    reserved = st.persistent_segments + _act_segments(spec, w, stage, n) + CUBLAS_WORKSPACE[
-        gpu.compute_capability >= (9, 0)] + int(ACTIVATION_FRAGMENTATION * _activation_bytes(n))
-    reserved = max(reserved, allocated)
-    return Screen(reserved + gpu.cuda_context_bytes, st.cpu, st.n_params, n.acts, st.weights + st.grads + st.states)
+    return parts, n.phases, peak_phase, notes, _per_layer_terms(n.sa.am.layer), extra
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:

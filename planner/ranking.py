@@ -42,7 +42,7 @@ def rank_key(c: Candidate, objective: str) -> tuple:
     return (-speed_key(c.samples_per_s),) + tail
 
 
-def distinct(cands: list[Candidate]) -> list[Candidate]:
+def distinct(cands: list[Candidate], most: int) -> list[Candidate]:
     """Ranked candidates without those that differ from an earlier one only in a knob that changes
     nothing (SDPA and FlashAttention-2 save the same tensors and cost the same here): the first stays,
     and `explain` still says what the other costs."""
@@ -54,11 +54,14 @@ def distinct(cands: list[Candidate]) -> list[Candidate]:
         if key not in seen:
             seen.add(key)
             out.append(c)
+            if len(out) == most:
+                break
     return out
 
 
 def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Plans that no other plan beats on both device memory and samples/s, least memory first."""
+    """Plans that no other plan beats on both device memory and samples/s, least memory first (of plans
+    that tie on both, the first in ranking order)."""
     front: list[Candidate] = []
     best = -1.0
     for c in sorted(cands, key=lambda c: (c.device_used, -c.samples_per_s)):
@@ -99,15 +102,21 @@ def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
     searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
                 "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
     out = []
-    for knob in WHY_KNOBS:
-        mine = _value(w, knob)
-        seen: dict = {}
-        for c in cands:
-            v = _value(c.base, knob)
-            if v == mine or any(_value(c.base, k) != _value(w, k) for k in FIXED if k != knob):
-                continue
+    mine_all = tuple(_value(w, k) for k in FIXED)
+    # each candidate's knob values once; a candidate counts for a knob when it differs from the best
+    # plan in that knob only
+    values = [(tuple(_value(c.base, k) for k in FIXED), c) for c in cands]
+    diffs: dict[int, dict] = {i: {} for i in range(len(WHY_KNOBS))}
+    for vals, c in values:
+        off = [i for i, (a, b) in enumerate(zip(vals, mine_all)) if a != b]
+        if len(off) == 1 and off[0] < len(WHY_KNOBS):
+            seen = diffs[off[0]]
+            v = vals[off[0]]
             if v not in seen or c.samples_per_s > seen[v].samples_per_s:
                 seen[v] = c
+    for i, knob in enumerate(WHY_KNOBS):
+        mine = mine_all[i]
+        seen = diffs[i]
         for v in searched[knob]:
             if v == mine:
                 continue

@@ -5,9 +5,9 @@ dividing the attention and KV heads), sequence parallelism with TP, the interlea
 ZeRO stage 0-3 with optimizer / parameter offload, and every single-GPU knob: micro batch (the global
 batch is micro x accumulation x dp exactly), checkpointing, precision, optimizer, attention.
 
-Pruning, only where a pruned candidate provably cannot win: for one setting of every other knob the
-memory grows with the micro batch (property-tested), so once a micro batch does not fit no larger one
-is evaluated, except the one without accumulation (its gradients are not alive in the forward).
+Nothing is pruned: every candidate of a layout (every setting of the other knobs x every micro
+batch) is evaluated at once by `memplan.table`, the estimator and the cost model in numpy; the plans
+shown are estimated again by the scalar path.
 
 Knobs that change the training mathematics (optimizer, pure bf16, fp32 vs mixed precision) are
 searched only when the user allows them; otherwise the best alternative that would change them is
@@ -21,12 +21,14 @@ from collections.abc import Iterable
 from itertools import product
 from typing import NamedTuple
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .cost import throughput
+from . import table
+from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
-from .estimator import MemoryBreakdown, check_hardware, peak, report, screen, supported_attn, tp_problem
+from .estimator import MemoryBreakdown, check_hardware, peak, report, supported_attn, tp_problem
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
@@ -90,8 +92,7 @@ class Suggestion(BaseModel):
     objective: str = "throughput"
     defaults: list[str]  # the defaults memplan chose, said out loud
     searched: dict[str, list[str]]
-    candidates: int  # evaluated: memory estimated, and step time modelled where it fits
-    decided: int = 0  # not evaluated: a larger micro batch than one that did not fit (memory grows with it)
+    candidates: int  # evaluated: every setting of every knob, its memory estimated and its step time modelled
     search_seconds: float = 0.0
     plans: list[Plan]
     pareto: list[Plan] = []  # fitting plans no other plan beats on both memory and speed, least memory first
@@ -163,16 +164,11 @@ def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: l
                      + (" ..." if len(skipped) > 4 else ""))
 
 
-def _evaluate(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int,
-              cpu_mem: int | None) -> Candidate | None:
-    if w.task == "train":
-        p = screen(spec, gpu, w, mb, m)
-    else:  # inference has no screen: its estimate reads the batch from the workload
-        p = peak(spec, gpu, w.model_copy(update={"micro_batch": mb, "grad_accum": m}))
-    if p.device_used > usable or (cpu_mem is not None and p.cpu_per_gpu * w.gpus > cpu_mem):
+def _evaluate_infer(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int) -> Candidate | None:
+    p = peak(spec, gpu, w.model_copy(update={"micro_batch": mb, "grad_accum": m}))
+    if p.device_used > usable:
         return None
-    half = w.precision != "fp32"
-    thr = throughput(spec, gpu, w, p.saved_activations, p.state_bytes, p.params_per_gpu, half, mb, m)
+    thr = throughput(spec, gpu, w, p.saved_activations, p.state_bytes, p.params_per_gpu, True, mb, m)
     return Candidate(w, mb, m, p.device_used, usable - p.device_used, thr.samples_per_s, thr.tokens_per_s, thr.mfu,
                      thr.terms)
 
@@ -216,31 +212,44 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
 
 
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
-            common: dict, cpu_mem: int | None, notes: list[str], skipped: list[int] | None = None
-            ) -> tuple[list[Candidate], int]:
-    """Every fitting candidate, and how many were evaluated; `skipped` (if given) counts the ones
-    decided without evaluation (provably too large)."""
+            common: dict, cpu_mem: int | None, notes: list[str]) -> tuple[list[Candidate], int]:
+    """Every fitting candidate, and how many were evaluated (all of them: one table per layout)."""
     found: list[Candidate] = []
     n = 0
     usable = int(gpu.memory_bytes * (1 - common["headroom"]))
     for tp, pp, dp in _layouts(spec, gpus * nodes, gpus, sp_.tps, sp_.pps, gb, notes):
         per_rank = gb // dp
         mbs = _divisors(per_rank)
-        for base in _bases(spec, gpu, task, seq, gpus, nodes, tp, pp, dp, per_rank, sp_, common):
-            last_failed = False
-            for mb in mbs:
-                if last_failed and mb != per_rank:
-                    if skipped is not None:  # provably does not fit: memory grows with the micro batch
-                        skipped[0] += 1
-                    continue
-                if base.vpp > 1 and (per_rank // mb) % pp:
-                    continue  # the interleaved schedule needs m % pp == 0
-                n += 1
-                c = _evaluate(spec, gpu, base, mb, per_rank // mb, usable, cpu_mem)
-                if c is None:
-                    last_failed = True
-                    continue
-                found.append(c)
+        bases = list(_bases(spec, gpu, task, seq, gpus, nodes, tp, pp, dp, per_rank, sp_, common))
+        if not bases:
+            continue
+        if task != "train":
+            for base in bases:
+                for mb in mbs:
+                    n += 1
+                    c = _evaluate_infer(spec, gpu, base, mb, per_rank // mb, usable)
+                    if c is not None:
+                        found.append(c)
+            continue
+        t = table.evaluate(spec, gpu, bases, mbs, per_rank)
+        ms = np.asarray([per_rank // mb for mb in mbs])
+        # the interleaved schedule needs the micro batches to be a multiple of the stages
+        valid = np.asarray([[w.vpp == 1 or m % pp == 0 for m in ms] for w in bases])
+        n += int(valid.sum())
+        fits = valid & (t.device_used <= usable)
+        if cpu_mem is not None:
+            fits &= t.cpu_per_gpu * gpus <= cpu_mem
+        seq_eff = spec.seq_positions if spec.arch == "vision" else seq
+        model_f = [flops_per_token(spec, seq_eff, w.attn, w.grad_ckpt)[0] for w in bases]
+        peak_tf = [gpu.tflops.get(COMPUTE_DTYPE[w.precision]) or gpu.tflops.get("fp32", 1.0) for w in bases]
+        for b, k in zip(*np.nonzero(fits)):
+            w, mb, m = bases[b], mbs[k], int(ms[k])
+            step = float(t.step[b, k])
+            samples = mb * m * dp
+            found.append(Candidate(w, mb, m, int(t.device_used[b, k]), usable - int(t.device_used[b, k]),
+                                   samples / step, samples * seq_eff / step,
+                                   model_f[b] * samples * seq_eff / (step * peak_tf[b] * 1e12 * w.world),
+                                   StepTime(*(float(x) for x in t.terms[:, b, k]))))
     return found, n
 
 
@@ -314,18 +323,17 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
-    skipped = [0]
     # One GPU: the plain Trainer unless it cannot fit. DeepSpeed there partitions nothing; it only changes
     # the numerics (a half model with an fp32 master copy instead of autocast) or offloads to the host.
     deepspeed_later = world == 1 and train and zero is None and offload is None and fsdp is None
     first = space._replace(zeros=[0], offloads=["none"]) if deepspeed_later else space
-    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, first, common, cpu_mem, notes, skipped)
+    found, n = _search(spec, gpu, task, seq, gb, gpus, nodes, first, common, cpu_mem, notes)
     if deepspeed_later:
         if found:
             space = first
         else:
             more, m = _search(spec, gpu, task, seq, gb, gpus, nodes, space._replace(zeros=[1, 2, 3]), common,
-                              cpu_mem, notes, skipped)
+                              cpu_mem, notes)
             found, n = more, n + m
             if found:
                 notes.append("the plain Trainer does not fit one GPU: DeepSpeed ZeRO with offload does")
@@ -339,9 +347,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                 found, shown_world = f2, (g, nn)
                 break
     found.sort(key=lambda c: rank_key(c, objective))
-    shown = distinct(found)
-    plans = [_plan(spec, gpu, c) for c in shown[:top]]
-    front = [_plan(spec, gpu, c) for c in pareto(shown)][:12]
+    plans = [_plan(spec, gpu, c) for c in distinct(found, top)]
+    front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
     why = explain(found[0], found, space) if found else []
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
@@ -392,7 +399,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     if world > 1 or space.zeros != [0]:
         searched |= {"zero": [str(x) for x in space.zeros], "offload": space.offloads}
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
-                      nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n, decided=skipped[0],
+                      nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
                       alternatives=alternatives, notes=notes)
 

@@ -1,0 +1,57 @@
+"""memplan.table (the search's numpy evaluation) equals the scalar estimator and cost model, cell by cell."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import memplan
+from memplan import cost, estimator, table
+from memplan.api import workload
+from memplan.errors import UserError
+
+KNOBS = st.fixed_dictionaries({
+    "zero": st.sampled_from([0, 1, 2, 3]), "fsdp": st.sampled_from(["none", "full-shard", "shard-grad-op", "hybrid-shard"]),
+    "offload": st.sampled_from(["none", "optimizer", "all"]), "precision": st.sampled_from(["fp32", "bf16", "bf16-pure"]),
+    "grad_ckpt": st.sampled_from(["none", "selective", "full"]), "attn": st.sampled_from(["sdpa", "eager"]),
+    "sp": st.booleans(), "vpp": st.sampled_from([1, 2]), "zero_grad": st.sampled_from(["set-to-none", "zeros"]),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.sampled_from(["llama-3.1-8b", "gpt2-medium", "t5-base", "mixtral-8x7b", "qwen2.5-0.5b", "bert-large",
+                              "vit-base"]),
+       layout=st.sampled_from([(8, 1, 1, 1), (8, 2, 2, 2), (8, 1, 2, 4), (4, 1, 1, 2), (1, 1, 1, 1), (2, 4, 2, 1)]),
+       gpu=st.sampled_from(["a100-80g", "h100-80g", "v100-16g"]),
+       knobs=st.lists(KNOBS, min_size=1, max_size=12))
+def test_table_equals_the_scalar_estimate(model, layout, gpu, knobs):
+    gpus, nodes, tp, pp = layout
+    spec, prof = memplan.resolve_model(model), memplan.load_gpu(gpu)
+    per_rank, mbs = 12, [1, 2, 3, 4, 6, 12]
+    bases = []
+    for k in knobs:
+        # make the draw valid rather than reject it: the table sees what the search would give it
+        k = dict(k, fsdp=k["fsdp"] if k["zero"] == 0 and tp == pp == 1 else "none",
+                 offload=k["offload"] if k["zero"] and (k["offload"] != "all" or k["zero"] == 3) else "none",
+                 zero=k["zero"] if pp == 1 else min(k["zero"], 1), sp=k["sp"] and tp > 1,
+                 vpp=k["vpp"] if pp > 1 else 1)
+        if k["zero"] == 0 and k["offload"] != "none":
+            k["offload"] = "none"
+        try:
+            w = workload(task="train", micro_batch=1, grad_accum=per_rank, seq_len=128, gpus=gpus, nodes=nodes, tp=tp,
+                         pp=pp, **k)
+            estimator.check_hardware(prof, w)
+            estimator.check_support(spec, w)
+        except UserError:
+            continue
+        bases.append(w)
+    if not bases:
+        return
+    t = table.evaluate(spec, prof, bases, mbs, per_rank)
+    for b, w in enumerate(bases):
+        for k, mb in enumerate(mbs):
+            m = per_rank // mb
+            p = estimator.peak(spec, prof, w, mb, m)
+            assert (p.device_used, p.cpu_per_gpu, p.params_per_gpu, p.saved_activations, p.state_bytes) == (
+                t.device_used[b, k], t.cpu_per_gpu[b, k], t.params_per_gpu[b, k], t.saved[b, k], t.state[b, k])
+            steps = cost.step_time(spec, prof, w, p.saved_activations, p.state_bytes, p.params_per_gpu,
+                                   w.precision != "fp32", mb, m)
+            assert list(t.terms[:, b, k]) == pytest.approx(list(steps), rel=1e-9, abs=1e-12)
