@@ -276,7 +276,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     tp, sp: one tensor-parallel rank's share (`shard`)."""
     if spec.arch == "vision":
         s = spec.seq_positions
-    full = _layer(spec, b, s, prec, attn)
+    # the attention core is rebuilt in backward only under selective recomputation
+    core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
     layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache)
     dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
@@ -289,7 +290,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
         layer_backward=shard(_layer_backward(spec, b, s, prec, attn), tp, sp),
-        layer_core=shard([t for t in full if is_core(t)], tp, sp),
+        layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),
     )

@@ -105,7 +105,13 @@ def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
     mine_all = tuple(_value(w, k) for k in FIXED)
     # each candidate's knob values once; a candidate counts for a knob when it differs from the best
     # plan in that knob only
-    values = [(tuple(_value(c.base, k) for k in FIXED), c) for c in cands]
+    by_base: dict[int, tuple] = {}  # candidates share their base across micro batches
+    values = []
+    for c in cands:
+        vals = by_base.get(id(c.base))
+        if vals is None:
+            vals = by_base[id(c.base)] = tuple(_value(c.base, k) for k in FIXED)
+        values.append((vals, c))
     diffs: dict[int, dict] = {i: {} for i in range(len(WHY_KNOBS))}
     for vals, c in values:
         off = [i for i, (a, b) in enumerate(zip(vals, mine_all)) if a != b]

@@ -240,16 +240,18 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
         if cpu_mem is not None:
             fits &= t.cpu_per_gpu * gpus <= cpu_mem
         seq_eff = spec.seq_positions if spec.arch == "vision" else seq
-        model_f = [flops_per_token(spec, seq_eff, w.attn, w.grad_ckpt)[0] for w in bases]
+        flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp_.attns for g in sp_.ckpts}
+        model_f = [flops[(w.attn, w.grad_ckpt)] for w in bases]
         peak_tf = [gpu.tflops.get(COMPUTE_DTYPE[w.precision]) or gpu.tflops.get("fp32", 1.0) for w in bases]
-        for b, k in zip(*np.nonzero(fits)):
-            w, mb, m = bases[b], mbs[k], int(ms[k])
-            step = float(t.step[b, k])
+        used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
+        rows, cols = np.nonzero(fits)
+        for b, k in zip(rows.tolist(), cols.tolist()):
+            w, mb, m = bases[b], mbs[k], per_rank // mbs[k]
+            step, dev = steps[b][k], used[b][k]
             samples = mb * m * dp
-            found.append(Candidate(w, mb, m, int(t.device_used[b, k]), usable - int(t.device_used[b, k]),
-                                   samples / step, samples * seq_eff / step,
+            found.append(Candidate(w, mb, m, dev, usable - dev, samples / step, samples * seq_eff / step,
                                    model_f[b] * samples * seq_eff / (step * peak_tf[b] * 1e12 * w.world),
-                                   StepTime(*(float(x) for x in t.terms[:, b, k]))))
+                                   StepTime(*terms[b][k])))
     return found, n
 
 

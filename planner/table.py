@@ -16,7 +16,7 @@ import numpy as np
 from . import cost
 from .estimator import (
     ACTIVATION_FRAGMENTATION, CUBLAS_WORKSPACE, _act_segments, _stage_acts, _stage_states,
-    _tied_grad_sum, half_model, StageNumbers, StageStates,
+    _tied_grad_sum, half_model, StageActs, StageNumbers, StageStates,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
@@ -48,7 +48,10 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     acc = ms > 1  # (K,)
     w0 = bases[0]
     first, last = stage == 0, stage == w0.pp - 1
-    sts = [(_stage_states(spec, w, stage, False), _stage_states(spec, w, stage, True)) for w in bases]
+    sts = []
+    for w in bases:  # accumulation changes the states only through offload's host buffer (ZeRO-1/2)
+        one = _stage_states(spec, w, stage, False)
+        sts.append((one, _stage_states(spec, w, stage, True) if w.offload != "none" and w.zero in (1, 2) else one))
     # every numeric field of the stage states, (B, 2, F): without and with gradient accumulation
     numeric = np.array([[s[0][1:], s[1][1:]] for s in sts], dtype=np.int64)
     position = {name: i - 1 for i, name in enumerate(StageStates._fields)}
@@ -69,9 +72,12 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
         rows.append(keys[k])
     sas = [[_stage_acts(spec, w, int(mb)) for mb in mbs] for w in reps]
     ridx = np.asarray(rows)
+    # every byte sum of the activation models, (U, K, F), gathered to the rows on use
+    sums = np.array([[sa[1:] for sa in row] for row in sas], dtype=np.int64)
+    sa_position = {name: i - 1 for i, name in enumerate(StageActs._fields)}
 
     def sa_field(name: str) -> np.ndarray:
-        return np.asarray([[getattr(sa, name) for sa in row] for row in sas], dtype=np.int64)[ridx]
+        return sums[:, :, sa_position[name]][ridx]
 
     n_enc = sts[0][0].n_enc
     n_dec = sts[0][0].n_dec
