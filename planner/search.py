@@ -21,10 +21,8 @@ from collections.abc import Iterable
 from itertools import product
 from typing import NamedTuple
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import table
 from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
@@ -214,6 +212,9 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
             common: dict, cpu_mem: int | None, notes: list[str]) -> tuple[list[Candidate], int]:
     """Every fitting candidate, and how many were evaluated (all of them: one table per layout)."""
+    import numpy as np  # here, not at the top: `memplan estimate` and the API's estimate do without it
+
+    from . import table
     found: list[Candidate] = []
     n = 0
     usable = int(gpu.memory_bytes * (1 - common["headroom"]))
