@@ -230,8 +230,13 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
     model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
     st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
                    params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)
-    step = st.total
+    return rates(w, mb, m, seq, st.total, model_f, peak, st)
+
+
+def rates(w: Workload, mb: int, m: int, seq: int, step: float, model_flops_per_token: float, peak_tflops: float,
+          terms: StepTime | None = None) -> Throughput:
+    """Samples/s, tokens/s and MFU of a step of `step` seconds. MFU over all GPUs: model FLOPs of the
+    global batch / (step time x world x peak)."""
     samples = mb * m * w.dp
-    # MFU over all GPUs: model FLOPs of the global batch / (step time * world * peak)
     return Throughput(step, samples / step, samples * seq / step,
-                      model_f * samples * seq / (step * peak * 1e12 * w.world), st)
+                      model_flops_per_token * samples * seq / (step * peak_tflops * 1e12 * w.world), terms)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, throughput
+from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import MemoryBreakdown, check_hardware, peak, report, supported_attn, tp_problem
@@ -247,12 +247,9 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
         used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
         rows, cols = np.nonzero(fits)
         for b, k in zip(rows.tolist(), cols.tolist()):
-            w, mb, m = bases[b], mbs[k], per_rank // mbs[k]
-            step, dev = steps[b][k], used[b][k]
-            samples = mb * m * dp
-            found.append(Candidate(w, mb, m, dev, usable - dev, samples / step, samples * seq_eff / step,
-                                   model_f[b] * samples * seq_eff / (step * peak_tf[b] * 1e12 * w.world),
-                                   StepTime(*terms[b][k])))
+            w, mb, m, dev = bases[b], mbs[k], per_rank // mbs[k], used[b][k]
+            r = rates(w, mb, m, seq_eff, steps[b][k], model_f[b], peak_tf[b], StepTime(*terms[b][k]))
+            found.append(Candidate(w, mb, m, dev, usable - dev, r.samples_per_s, r.tokens_per_s, r.mfu, r.terms))
     return found, n
 
 
