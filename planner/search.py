@@ -5,11 +5,9 @@ dividing the attention and KV heads), sequence parallelism with TP, the interlea
 ZeRO stage 0-3 with optimizer / parameter offload, and every single-GPU knob: micro batch (the global
 batch is micro x accumulation x dp exactly), checkpointing, precision, optimizer, attention.
 
-A layout's candidates (every setting of the other knobs x the micro batches) are evaluated a few
-micro batches at a time by `memplan.table`, the estimator and the cost model in numpy; the plans shown
-are estimated again by the scalar path. Pruned, only where a candidate provably cannot fit: memory
-grows with the micro batch for every setting (property-tested), so once a group's largest micro batch
-fits no setting, larger ones are skipped, except the one without accumulation.
+Nothing is pruned: every candidate of a layout (every setting of the other knobs x every micro
+batch) is evaluated at once by `memplan.table`, the estimator and the cost model in numpy; the plans
+shown are estimated again by the scalar path.
 
 Knobs that change the training mathematics (optimizer, pure bf16, fp32 vs mixed precision) are
 searched only when the user allows them; otherwise the best alternative that would change them is
@@ -213,7 +211,10 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
 
 def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus: int, nodes: int, sp_: Space,
             common: dict, cpu_mem: int | None, notes: list[str]) -> tuple[list[Candidate], int]:
-    """Every fitting candidate, and how many were evaluated."""
+    """Every fitting candidate, and how many were evaluated (all of them: one table per layout)."""
+    import numpy as np  # here, not at the top: `memplan estimate` and the API's estimate do without it
+
+    from . import table
     found: list[Candidate] = []
     n = 0
     usable = int(gpu.memory_bytes * (1 - common["headroom"]))
@@ -231,60 +232,25 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
                     if c is not None:
                         found.append(c)
             continue
-        layout = _Layout(spec, gpu, bases, per_rank, usable, cpu_mem, sp_)
-        for group in _column_groups(mbs):
-            n += layout.evaluate(group, found)
-            if not layout.last_fits and group[-1] != per_rank:
-                # memory grows with the micro batch for every base (property-tested), so no larger one
-                # fits, except perhaps the one without accumulation (its gradients are not alive in the
-                # forward): evaluated still
-                n += layout.evaluate([per_rank], found)
-                break
-    return found, n
-
-
-def _column_groups(mbs: list[int], size: int = 3):
-    """The micro batches in groups of `size`, so the search can stop at the first group whose largest
-    micro batch fits no base."""
-    for i in range(0, len(mbs), size):
-        yield mbs[i:i + size]
-
-
-class _Layout:
-    """One layout's bases, evaluated column group by column group with memplan.table."""
-
-    def __init__(self, spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], per_rank: int, usable: int,
-                 cpu_mem: int | None, sp_: Space):
-        self.spec, self.gpu, self.bases, self.per_rank, self.usable, self.cpu_mem = spec, gpu, bases, per_rank, usable, cpu_mem
-        self.seq = spec.seq_positions if spec.arch == "vision" else bases[0].seq_len
-        flops = {(a, g): flops_per_token(spec, self.seq, a, g)[0] for a in sp_.attns for g in sp_.ckpts}
-        self.model_f = [flops[(w.attn, w.grad_ckpt)] for w in bases]
-        self.peak = [gpu.tflops.get(COMPUTE_DTYPE[w.precision]) or gpu.tflops.get("fp32", 1.0) for w in bases]
-        self.last_fits = True
-
-    def evaluate(self, mbs: list[int], found: list[Candidate]) -> int:
-        """Append the fitting candidates of these micro batches; return how many were evaluated."""
-        import numpy as np  # here, not at the top: `memplan estimate` and the API's estimate do without it
-
-        from . import table
-
-        bases, pp = self.bases, self.bases[0].pp
-        t = table.evaluate(self.spec, self.gpu, bases, mbs, self.per_rank)
-        ms = [self.per_rank // mb for mb in mbs]
+        t = table.evaluate(spec, gpu, bases, mbs, per_rank)
+        ms = np.asarray([per_rank // mb for mb in mbs])
         # the interleaved schedule needs the micro batches to be a multiple of the stages
         valid = np.asarray([[w.vpp == 1 or m % pp == 0 for m in ms] for w in bases])
-        fits = valid & (t.device_used <= self.usable)
-        if self.cpu_mem is not None:
-            fits &= t.cpu_per_gpu * bases[0].gpus <= self.cpu_mem
+        n += int(valid.sum())
+        fits = valid & (t.device_used <= usable)
+        if cpu_mem is not None:
+            fits &= t.cpu_per_gpu * gpus <= cpu_mem
+        seq_eff = spec.seq_positions if spec.arch == "vision" else seq
+        flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp_.attns for g in sp_.ckpts}
+        model_f = [flops[(w.attn, w.grad_ckpt)] for w in bases]
+        peak_tf = [gpu.tflops.get(COMPUTE_DTYPE[w.precision]) or gpu.tflops.get("fp32", 1.0) for w in bases]
         used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
         rows, cols = np.nonzero(fits)
         for b, k in zip(rows.tolist(), cols.tolist()):
-            w, dev = bases[b], used[b][k]
-            r = rates(w, mbs[k], ms[k], self.seq, steps[b][k], self.model_f[b], self.peak[b], StepTime(*terms[b][k]))
-            found.append(Candidate(w, mbs[k], ms[k], dev, self.usable - dev, r.samples_per_s, r.tokens_per_s, r.mfu,
-                                   r.terms))
-        self.last_fits = bool(fits[:, -1].any())
-        return int(valid.sum())
+            w, mb, m, dev = bases[b], mbs[k], per_rank // mbs[k], used[b][k]
+            r = rates(w, mb, m, seq_eff, steps[b][k], model_f[b], peak_tf[b], StepTime(*terms[b][k]))
+            found.append(Candidate(w, mb, m, dev, usable - dev, r.samples_per_s, r.tokens_per_s, r.mfu, r.terms))
+    return found, n
 
 
 def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
