@@ -162,23 +162,42 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
               show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
 @_parallel_options(search=True)
+@click.option("--emit", type=click.Choice(["trainer", "deepspeed", "accelerate", "all"]),
+              help="write the first plan's launch files: TrainingArguments (JSON + .py), ds_config.json, "
+              "accelerate_config.yaml, and plan.json")
+@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="directory for --emit; '-' prints")
+@click.option("--force", is_flag=True, help="overwrite files that already exist")
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
             as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
-            vpp, cpu_mem, net_gbs) -> None:
+            vpp, cpu_mem, net_gbs, emit, out_dir, force) -> None:
     """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
     from . import api
 
+    if emit == "deepspeed":  # a DeepSpeed file is asked for: plan with DeepSpeed
+        zero = zero or "1,2,3"
+        fsdp = fsdp or "none"
     s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs)
+    if emit and as_json and out_dir == "-":
+        raise UserError("--emit -o - and --json both print to stdout; write the files to a directory")
     if as_json:
         _emit_json(s)
     else:
         from .report import print_suggestion
 
         print_suggestion(s)
+    if emit:
+        if not s.plans:
+            raise UserError("nothing fits: no plan to emit")
+        if task != "train":
+            raise UserError("--emit writes training configs; --task infer has none")
+        what = ("trainer", "deepspeed", "accelerate") if emit == "all" else (emit,)
+        written = s.plans[0].write(out_dir, what, force=force, spec=api._spec(model, head, trust_remote_code))
+        if written and not as_json:
+            click.echo("wrote " + ", ".join(written))
 
 
 @cli.command()

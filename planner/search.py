@@ -72,6 +72,37 @@ class Plan(BaseModel):
     step_seconds: float = 0.0
     step_terms: dict[str, float] = {}  # seconds per step by cost term (docs/cost-model.md)
 
+    # -- the files to launch (memplan.emit) ------------------------------------------------------------
+    def _spec(self, spec: ModelSpec | None) -> ModelSpec:
+        from .catalog import resolve_model
+
+        return spec or resolve_model(self.estimate.model.hf_id or self.estimate.model.name)
+
+    def training_arguments(self, spec: ModelSpec | None = None) -> dict:
+        """Keyword arguments for transformers.TrainingArguments."""
+        from . import emit
+
+        return emit.training_arguments(self, self._spec(spec) if self.fsdp != "none" else spec)
+
+    def deepspeed_config(self, spec: ModelSpec | None = None) -> dict:
+        """The ds_config.json contents (DeepSpeed plans)."""
+        from . import emit
+
+        return emit.deepspeed_config(self, self._spec(spec))
+
+    def accelerate_config(self, spec: ModelSpec | None = None) -> dict:
+        """The accelerate config YAML contents, as a dict."""
+        from . import emit
+
+        return emit.accelerate_config(self, self._spec(spec))
+
+    def write(self, directory: str, what: tuple[str, ...] = ("trainer", "deepspeed", "accelerate"),
+              force: bool = False, spec: ModelSpec | None = None) -> list[str]:
+        """Write the files (atomically; an existing file only with force); return their paths."""
+        from . import emit
+
+        return emit.write(emit.render(self, self._spec(spec), what), directory, force)
+
 
 class Alternative(BaseModel):
     change: str
