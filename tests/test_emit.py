@@ -65,10 +65,25 @@ def test_a_wrong_key_fails_the_check():
         check_training_arguments({"output_dir": "out", "per_device_train_batch_sizes": 4})
 
 
+def _ds_top_level_keys() -> set[str]:
+    """The top-level keys DeepSpeed reads: its config constants, plus the sections read elsewhere
+    (zero_optimization: runtime/zero/config.py; tensor_parallel: runtime/tensor_parallel;
+    pipeline: DeepSpeedConfig._initialize_params). DeepSpeedConfig ignores unknown top-level keys
+    (nested sections are pydantic models that forbid extras), so the test checks them."""
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.zero import config as zero_config
+
+    keys = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+    return keys | {zero_config.ZERO_OPTIMIZATION, "tensor_parallel", "pipeline"}
+
+
 def _ds_config(cfg: dict, dp: int, monkeypatch):
     """DeepSpeedConfig as the engine builds it on rank 0 of `dp` data-parallel ranks."""
     ds = pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
+
+    unknown = set(cfg) - _ds_top_level_keys()
+    assert not unknown, f"DeepSpeed reads no top-level key {unknown}"
 
     monkeypatch.setattr(ds.comm, "get_rank", lambda *a, **k: 0)
 
@@ -104,6 +119,14 @@ def test_deepspeed_config_accepted_at_world_size_8(zero, offload, monkeypatch):
     finally:
         import os
         os.remove(path)
+
+
+def test_a_wrong_deepspeed_key_fails_the_check(monkeypatch):
+    good = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}
+    with pytest.raises(AssertionError):
+        _ds_config(dict(good, zero_optimisation={"stage": 2}), 1, monkeypatch)  # misspelled section
+    with pytest.raises(Exception):
+        _ds_config(dict(good, zero_optimization={"stage": 2, "reduce_bucket_sizes": 5}), 1, monkeypatch)
 
 
 def test_tensor_parallel_plan_counts_data_parallel_ranks(monkeypatch):
