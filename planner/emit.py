@@ -71,10 +71,28 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
         kw["fsdp_config"] = {"transformer_layer_cls_to_wrap": layer_classes(spec),
                              "activation_checkpointing": plan.grad_ckpt == "full"}
         kw[_checkpointing_field()] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
+    if spec is not None and compile_pays(plan, spec):
+        kw["torch_compile"] = True
     # little headroom left: return cached blocks between steps so fragmentation cannot grow into an OOM
     if plan.estimate.headroom_bytes < 0.02 * plan.estimate.capacity_bytes:
         kw["torch_empty_cache_steps"] = 1
     return kw
+
+
+def compile_pays(plan, spec: ModelSpec) -> bool:
+    """torch.compile for the Trainer where the published evidence says it pays: PyTorch 2.0's
+    announcement measured training 43 % faster on average over 163 models (HF, TIMM, TorchBench) on an
+    A100 under AMP. So: Ampere or newer, bf16 / fp16 autocast, a dense model (MoE routing has
+    data-dependent shapes that break graphs), and no DeepSpeed (its engine has its own compile path).
+    The compile time, minutes, is paid once per run."""
+    from .profiles import load_gpu
+
+    try:
+        gpu = load_gpu(plan.estimate.gpu)
+    except UserError:  # a profile file of the user's that is not at hand: no evidence either way
+        return False
+    return (gpu.compute_capability >= (8, 0) and plan.precision in ("bf16", "fp16") and not spec.is_moe
+            and not uses_deepspeed(plan))
 
 
 def training_arguments_py(plan, kw: dict) -> str:
@@ -124,6 +142,11 @@ def deepspeed_config(plan, spec: ModelSpec) -> dict:
         # dynamic loss scaling (loss_scale 0), DeepSpeed's defaults spelled out
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1}
+    if plan.grad_ckpt == "full":
+        # for models that checkpoint through deepspeed.checkpointing (PipelineModule, Megatron-DeepSpeed);
+        # HF models checkpoint through TrainingArguments
+        cfg["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False}
     if plan.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
     if plan.pp > 1:

@@ -82,7 +82,7 @@ class Plan(BaseModel):
         """Keyword arguments for transformers.TrainingArguments."""
         from . import emit
 
-        return emit.training_arguments(self, self._spec(spec) if self.fsdp != "none" else spec)
+        return emit.training_arguments(self, self._spec(spec))
 
     def deepspeed_config(self, spec: ModelSpec | None = None) -> dict:
         """The ds_config.json contents (DeepSpeed plans)."""

@@ -48,8 +48,15 @@ def ddp_plan():
 
 
 def test_bert_large_v100_training_arguments(ddp_plan, tmp_path):
+    import warnings
+
     kw = ddp_plan.training_arguments()
-    a = check_training_arguments(kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = check_training_arguments(kw)
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+                  and any(k in str(w.message) for k in kw)]
+    assert not deprecated, deprecated
     assert a.per_device_train_batch_size == ddp_plan.micro_batch
     assert a.gradient_accumulation_steps == ddp_plan.grad_accum and a.fp16
     # the .py snippet is valid Python and builds the same kwargs
@@ -67,14 +74,16 @@ def test_a_wrong_key_fails_the_check():
 
 def _ds_top_level_keys() -> set[str]:
     """The top-level keys DeepSpeed reads: its config constants, plus the sections read elsewhere
-    (zero_optimization: runtime/zero/config.py; tensor_parallel: runtime/tensor_parallel;
-    pipeline: DeepSpeedConfig._initialize_params). DeepSpeedConfig ignores unknown top-level keys
-    (nested sections are pydantic models that forbid extras), so the test checks them."""
+    (zero_optimization: runtime/zero/config.py; activation_checkpointing:
+    runtime/activation_checkpointing/config.py; tensor_parallel: runtime/tensor_parallel; pipeline:
+    DeepSpeedConfig._initialize_params). DeepSpeedConfig ignores unknown top-level keys (nested
+    sections are pydantic models that forbid extras), so the test checks them."""
     from deepspeed.runtime import constants
+    from deepspeed.runtime.activation_checkpointing import config as ckpt_config
     from deepspeed.runtime.zero import config as zero_config
 
     keys = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
-    return keys | {zero_config.ZERO_OPTIMIZATION, "tensor_parallel", "pipeline"}
+    return keys | {zero_config.ZERO_OPTIMIZATION, ckpt_config.ACT_CHKPT, "tensor_parallel", "pipeline"}
 
 
 def _ds_config(cfg: dict, dp: int, monkeypatch):
@@ -193,15 +202,21 @@ def test_cli_emit_writes_files_atomically_and_never_overwrites(tmp_path):
     assert r.returncode == 0 and "# ---- training_args.json" in r.stdout
 
 
-def test_cli_emit_deepspeed_must_show(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--tp", "1", "--pp", "1")])
+def test_cli_emit_deepspeed_must_show(extra, tmp_path, monkeypatch):
+    """The issue's command. memplan may choose AutoTP (tp 2 x dp 4): DeepSpeed then counts the 4
+    data-parallel ranks in train_batch_size; with --tp 1 the plan is ZeRO over all 8."""
     out = tmp_path / "out"
     r = run("suggest", "--model", "llama-3.1-8b", "--gpu", "a100-40g", "--gpus", "8", "--emit", "deepspeed", "-o",
-            str(out))
+            str(out), *extra)
     assert r.returncode == 0, r.stderr
     cfg = json.loads((out / "ds_config.json").read_text())
     plan = json.loads((out / "plan.json").read_text())["plan"]
-    assert cfg["train_batch_size"] == plan["micro_batch"] * plan["grad_accum"] * plan["dp"]
     assert cfg["zero_optimization"]["stage"] == plan["zero_stage"] >= 1
+    c = _ds_config(cfg, plan["dp"], monkeypatch)
+    assert c.train_batch_size == plan["micro_batch"] * plan["grad_accum"] * plan["dp"]
+    if extra:
+        assert plan["dp"] == 8 and c.train_batch_size == plan["micro_batch"] * plan["grad_accum"] * 8
 
 
 def test_pipeline_plans_have_no_trainer_file():
