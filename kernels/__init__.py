@@ -1,7 +1,9 @@
-"""memplan.kernels: memplan's tiled kernels (fused linear cross-entropy, tiled attention, tiled MLP).
+"""memplan.kernels: memplan's tiled kernels.
 
-The kernels arrive with their own issue; this package exists now so that the installed layout
-(`memplan`, `memplan.kernels`, `memplan.profiles`) is fixed from the start. It exports nothing yet.
+`linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean")` is the fused loss
+(tiled PyTorch; the Triton kernel, tiled attention and the tiled MLP come with the rest of their issue).
 """
 
-__all__: list[str] = []
+from .cross_entropy import linear_cross_entropy
+
+__all__ = ["linear_cross_entropy"]

@@ -1,0 +1,100 @@
+"""memplan.kernels.linear_cross_entropy against the plain computation.
+
+Tolerance rule: in fp32 the tiled loss and gradients equal the reference to fp32 rounding (rel 1e-5).
+In bf16 both are compared with an fp64 computation from the same bf16 inputs; the tiled result's error
+may be at most twice the reference's own error, plus one bf16 ulp (2^-8 relative) of the largest value.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import memplan.kernels.cross_entropy as lce
+from memplan.kernels import linear_cross_entropy
+from memplan.kernels.cross_entropy import reference
+
+
+def run(fn, h, w, t, g=None, **kw):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    out = fn(h, w, t, **kw)
+    g = torch.ones_like(out) if g is None else g
+    gh, gw = torch.autograd.grad(out, (h, w), g)
+    return out.detach(), gh, gw
+
+
+def data(n, hid, vocab, dtype, seed=0, ignore_every=5):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hid, generator=gen).to(dtype)
+    w = (torch.randn(vocab, hid, generator=gen) * hid ** -0.5).to(dtype)
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    if ignore_every:
+        t[::ignore_every] = -100
+    return h, w, t
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks of a few hundred bytes, so these small shapes cross many token chunks and vocabulary blocks."""
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * 16 * 24)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70), vocab=st.integers(2, 150), chunk=st.integers(1, 40),
+       reduction=st.sampled_from(["mean", "sum", "none"]), softcap=st.sampled_from([None, 30.0, 5.0]))
+def test_fp32_matches_reference(n, vocab, chunk, reduction, softcap):
+    h, w, t = data(n, 16, vocab, torch.float32, seed=n * 1000 + vocab)
+    if (t == -100).all() and reduction == "mean":
+        return  # 0 / 0: see test_all_ignored
+    g = torch.randn(n) if reduction == "none" else torch.tensor(1.3)
+    a = run(linear_cross_entropy, h, w, t, g, reduction=reduction, chunk_size=chunk, softcap=softcap)
+    b = run(reference, h, w, t, g, reduction=reduction, softcap=softcap)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_bf16_within_the_references_own_error(reduction, softcap):
+    h, w, t = data(96, 32, 257, torch.bfloat16)
+    g = torch.randn(96) if reduction == "none" else torch.tensor(1.0)
+    tiled = run(linear_cross_entropy, h, w, t, g, reduction=reduction, chunk_size=7, softcap=softcap)
+    ref = run(reference, h, w, t, g, reduction=reduction, softcap=softcap)
+    exact = run(reference, h.double(), w.double(), t, g.double(), reduction=reduction, softcap=softcap)
+    for x, y, z in zip(tiled, ref, exact):
+        ulp = 2.0 ** -8 * z.abs().max().item()
+        err_tiled = (x.double() - z).abs().max().item()
+        err_ref = (y.double() - z).abs().max().item()
+        assert err_tiled <= 2 * err_ref + ulp, (err_tiled, err_ref, ulp)
+
+
+def test_all_ignored():
+    h, w, t = data(9, 16, 33, torch.float32)
+    t[:] = -100
+    loss, gh, gw = run(linear_cross_entropy, h, w, t, reduction="sum")
+    assert loss.item() == 0 and gh.abs().max() == 0 and gw.abs().max() == 0
+    mean = linear_cross_entropy(h, w, t)
+    assert torch.isnan(mean) and torch.isnan(reference(h, w, t))  # 0 / 0, as torch's cross_entropy
+
+
+def test_accumulation_equals_one_batch():
+    """Two micro batches normalised by the whole batch's token count (transformers' num_items_in_batch)
+    give the gradients of one batch."""
+    h, w, t = data(64, 16, 50, torch.float32)
+    n_items = int((t != -100).sum())
+    _, gh_all, gw_all = run(linear_cross_entropy, h, w, t, chunk_size=5)
+    parts = [run(linear_cross_entropy, h[s], w, t[s], chunk_size=5, num_items_in_batch=n_items)
+             for s in (slice(0, 40), slice(40, 64))]
+    torch.testing.assert_close(parts[0][2] + parts[1][2], gw_all, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]]), gh_all, rtol=1e-5, atol=1e-7)
+
+
+def test_batched_shapes_and_errors():
+    h, w, t = data(24, 16, 40, torch.float32)
+    out = linear_cross_entropy(h.reshape(2, 12, 16), w, t.reshape(2, 12), reduction="none")
+    assert out.shape == (2, 12)
+    torch.testing.assert_close(out.reshape(-1), reference(h, w, t, reduction="none"))
+    with pytest.raises(ValueError):
+        linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(ValueError):
+        linear_cross_entropy(h, w[:, :8], t)
