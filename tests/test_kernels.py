@@ -98,3 +98,59 @@ def test_batched_shapes_and_errors():
         linear_cross_entropy(h, w, t, reduction="avg")
     with pytest.raises(ValueError):
         linear_cross_entropy(h, w[:, :8], t)
+
+
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64),
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                   head_dim=16, final_logit_softcapping=30.0),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
+                 bos_token_id=0, eos_token_id=0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_patched_model_gives_the_same_loss_and_gradients(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.kernels import apply, revert
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY[family])).eval()
+    x = torch.randint(0, 97, (2, 16))
+    labels = x.clone()
+    labels[0, :3] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(**kw):
+        loss = model(input_ids=x, labels=labels, **kw).loss
+        return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    base, base_g = loss_and_grads()
+    base_n, base_ng = loss_and_grads(num_items_in_batch=40)
+    apply(model)
+    out = model(input_ids=x, labels=labels)
+    assert out.logits is None  # no b x s x V tensor
+    fused, fused_g = loss_and_grads()
+    fused_n, fused_ng = loss_and_grads(num_items_in_batch=40)
+    torch.testing.assert_close(fused, base, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_n, base_n, rtol=1e-6, atol=1e-6)
+    for a, b in list(zip(fused_g, base_g)) + list(zip(fused_ng, base_ng)):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert model(input_ids=x).logits.shape == (2, 16, 97)  # inference is the original forward
+    revert(model)
+    torch.testing.assert_close(model(input_ids=x, labels=labels).loss.detach(), base)
+
+
+def test_unsupported_models_get_a_clear_message():
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from memplan.kernels import apply
+
+    bert = AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1,
+                                                                 num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="supports the causal LMs of gemma, gemma2, gpt2, llama"):
+        apply(bert)
