@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_BYTES = 64 << 20  # fp32 logits per chunk: 64 MiB (128 tokens at V = 128,256)
+from memplan.rules import FUSED_LOSS_CHUNK_BYTES
+
+CHUNK_BYTES = FUSED_LOSS_CHUNK_BYTES  # fp32 logits per chunk: 64 MiB (128 tokens at V = 128,256)
 
 
 def default_chunk(vocab: int) -> int:
@@ -132,7 +134,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     chunk = chunk_size or default_chunk(weight.shape[0])
-    out = LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        # cast once, outside: inside, autocast would cast the weight again for every chunk
+        dtype = torch.get_autocast_dtype(device)
+        h, weight = h.to(dtype), weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            out = LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+    else:
+        out = LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
     return out.reshape(lead) if reduction == "none" else out
 
 

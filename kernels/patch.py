@@ -13,11 +13,10 @@ import types
 
 import torch
 
+from memplan.rules import FUSED_LOSS_FAMILIES as SUPPORTED  # model_type -> the base model's attribute
+
 from .cross_entropy import linear_cross_entropy
 
-# model_type -> attribute of the base model inside the *ForCausalLM class
-SUPPORTED = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
-             "gpt2": "transformer"}
 _ORIGINAL = "_memplan_original_forward"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .modelspec import ModelSpec
-from .rules import Precision, activation_saved_bytes
+from .rules import Precision, activation_saved_bytes, fused_loss_blocks
 
 # Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
 SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
@@ -233,12 +233,15 @@ def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensor
     return out
 
 
-def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
+def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
+          fused: bool = False) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
     """(saved, loss forward transient, loss backward transient) of the head and its loss."""
     h, T, V, p = spec.hidden_size, b * s, spec.vocab_size, prec.act
     saved: list[Tensors] = []
     if spec.arch in ("decoder", "encoder-decoder", "vision"):
         saved += _norm(spec, T, prec)  # final norm
+    if fused and spec.head == "causal-lm":
+        return _fused_loss(spec, T, prec, saved)
     if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
         saved += _linear_inputs(1, h, T, prec, "lm_head input")
         # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
@@ -258,6 +261,30 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision) -> tuple[list[Tensor
     return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
 
 
+def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
+    """memplan.kernels.linear_cross_entropy (docs/kernels.md): it saves the final hidden states (the
+    lm_head input) and one log-sum-exp per token; forward holds one token chunk
+    of logits (half, its fp32 up-cast, logsumexp's fp32 working copy) and the per-token losses;
+    backward holds the fp32 hidden-state gradient sum, one vocabulary block's fp32 weight-gradient sum,
+    one block of logits (half and fp32) with its softmax, and the fp32 copy of the token block."""
+    h, V, p = spec.hidden_size, spec.vocab_size, prec.act
+    chunk, vblock, tblock = fused_loss_blocks(T, h, V)
+    # under autocast the kernel takes half copies of the hidden states and of the head's weight (the
+    # weight copy is the head's autocast copy the estimator already counts)
+    saved = saved + [Tensors("fused loss input (hidden states)", (p if prec.autocast else prec.residual) * h * T,
+                             rep=True),
+                     Tensors("fused loss logsumexp", 4 * T)]
+    fwd = [Tensors("fused loss: logits chunk (half)", p * chunk * V),
+           Tensors("fused loss: logits chunk (fp32) and logsumexp's working copy", 4 * chunk * V, 2),
+           Tensors("fused loss: per-token losses", 4 * T)]
+    bwd = [Tensors("fused loss: hidden-state gradient sum (fp32)", 4 * T * h),
+           Tensors("fused loss: weight-gradient block sum (fp32)", 4 * vblock * h),
+           Tensors("fused loss: logits block (half)", p * tblock * vblock),
+           Tensors("fused loss: logits block (fp32) and its softmax", 4 * tblock * vblock, 2),
+           Tensors("fused loss: token block (fp32)", 4 * tblock * h)]
+    return saved, fwd, bwd
+
+
 def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
     """One tensor-parallel rank's share: heads, the MLP intermediate and the vocabulary are split t
     ways (Megatron column / row parallel linears, vocab-parallel cross-entropy); the residual side is
@@ -270,17 +297,17 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
 
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
-                         sp: bool = False) -> ActivationModel:
+                         sp: bool = False, fused_loss: bool = False) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
-    tp, sp: one tensor-parallel rank's share (`shard`)."""
+    tp, sp: one tensor-parallel rank's share (`shard`). fused_loss: memplan.kernels' loss."""
     if spec.arch == "vision":
         s = spec.seq_positions
     # the attention core is rebuilt in backward only under selective recomputation
     core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
     layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache)
     dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
-    saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec)
+    saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     T = b * s
     return ActivationModel(
         layer=shard(layer, tp, sp),

@@ -63,7 +63,8 @@ def _active_params(spec: ModelSpec) -> int:
     return dense + experts
 
 
-def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str) -> tuple[float, float]:
+def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
+                    fused_loss: bool = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step. recompute: none,
     selective (the attention core's forward again) or full (the whole forward again)."""
     n = active_params(spec)
@@ -71,6 +72,8 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str) -> tup
     attn_fwd = 4 * seq * spec.num_heads * spec.head_dim * spec.total_layers * (0.5 if causal else 1.0)
     model = 6 * n + 3 * attn_fwd
     hw = model + {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[recompute]
+    if fused_loss:  # the fused loss recomputes the logits in backward: the LM head's forward again
+        hw += 2 * spec.hidden_size * spec.vocab_size
     return model, hw
 
 
@@ -142,7 +145,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
     eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
     if hw_f is None:
-        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)[1]
+        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)[1]
     dp = w.dp
     compute_micro = hw_f * tokens / (w.tp * w.pp) / (peak * 1e12 * eff)
     micro = compute_micro + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
@@ -227,7 +230,7 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
         t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
         # every data-parallel replica serves its own batches
         return Throughput(t, mb * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
-    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)
+    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)
     st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
                    params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)
     return rates(w, mb, m, seq, st.total, model_f, peak, st)

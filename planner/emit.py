@@ -104,7 +104,9 @@ def training_arguments_py(plan, kw: dict) -> str:
     if plan.precision == "bf16-pure":
         lines.insert(2, "# load the model with torch_dtype=torch.bfloat16 (pure bf16 training)")
     if plan.grad_ckpt == "selective":
-        lines.insert(2, "# selective checkpointing: memplan.selective.apply(model) before training")
+        lines.insert(2, "# selective checkpointing: memplan.selective.enable_selective(model) before training")
+    if plan.kernels:
+        lines.insert(2, "# the fused loss: memplan.kernels.apply(model) before training")
     return "\n".join(lines + [")", ""])
 
 

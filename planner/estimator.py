@@ -21,8 +21,8 @@ from .modelspec import ModelSpec, ParamGroup
 from .parallel import fsdp_states, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
-    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, OPTIMIZERS, PRECISIONS,
-    WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, OPTIMIZERS,
+    PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
 )
 from .workload import Workload
 
@@ -120,6 +120,13 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
         raise UserError(bad)
     if w.pp > spec.total_layers:
         raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
+    if w.kernels and not fused_loss_supported(spec):
+        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))}; "
+                        f"not {spec.model_type} ({spec.head})")
+
+
+def fused_loss_supported(spec: ModelSpec) -> bool:
+    return spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:
@@ -425,12 +432,12 @@ class StageActs(NamedTuple):
 def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
     prec = _train_precision(w)
     # the activation model tells only eager from fused attention (SDPA and FlashAttention-2 save the same)
-    key = ("acts", mb, w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt, w.tp, w.sp)
+    key = ("acts", mb, w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt, w.tp, w.sp, w.kernels)
 
     def make() -> StageActs:
         am = training_activations(spec, mb, w.seq_len, prec, w.attn,
                                   selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
-                                  sp=w.sp)
+                                  sp=w.sp, fused_loss=w.kernels)
         r = _rounded_tensors
         return StageActs(am, r(am.layer), r(am.decoder_layer), r(am.embed), r(am.head_saved),
                          r([t for t in am.head_saved if t.name.startswith("log_softmax")]), r(am.layer_input),

@@ -87,10 +87,11 @@ def _knob(knob: str, v) -> str:
     if knob == "sharding":
         return _sharding_label(*v)
     return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
-            "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}"}[knob]
+            "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}",
+            "kernels": f"fused loss {'on' if v else 'off'}"}[knob]
 
 
-WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn")
+WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn", "kernels")
 FIXED = WHY_KNOBS + ("precision", "optim")
 
 
@@ -100,7 +101,8 @@ def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
     w = best.base
     shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
     searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
-                "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns}
+                "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns,
+                "kernels": space.kernels}
     out = []
     mine_all = tuple(_value(w, k) for k in FIXED)
     # each candidate's knob values once; a candidate counts for a knob when it differs from the best

@@ -209,3 +209,19 @@ def round_segment(nbytes: float) -> int:
     if n < ALLOC_MIN_LARGE_ALLOC:
         return ALLOC_LARGE_BUFFER
     return -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE
+
+
+# -- memplan.kernels.linear_cross_entropy (kernels/cross_entropy.py, docs/kernels.md) -------------------
+# fp32 bytes of one block of logits: the forward's token chunk, the backward's vocabulary x token blocks
+FUSED_LOSS_CHUNK_BYTES = 64 << 20
+# causal-LM families memplan.kernels.apply patches: model_type -> attribute of the base model
+FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
+                       "gpt2": "transformer"}
+
+
+def fused_loss_blocks(tokens: int, hidden: int, vocab: int) -> tuple[int, int, int]:
+    """(forward token chunk, backward vocabulary block, backward token chunk) of the fused loss."""
+    chunk = max(1, FUSED_LOSS_CHUNK_BYTES // (4 * vocab))
+    vblock = max(1, FUSED_LOSS_CHUNK_BYTES // (4 * hidden))
+    tblock = max(chunk, FUSED_LOSS_CHUNK_BYTES // (4 * min(vblock, vocab)))
+    return min(chunk, tokens), min(vblock, vocab), min(tblock, tokens)

@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
-from .estimator import MemoryBreakdown, check_hardware, peak, report, supported_attn, tp_problem
+from .estimator import (
+    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tp_problem,
+)
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
@@ -68,6 +70,7 @@ class Plan(BaseModel):
     gpus: int = 1
     nodes: int = 1
     fsdp: str = "none"  # an FSDP plan (accelerate) instead of DeepSpeed / DDP
+    kernels: bool = False  # trains with memplan.kernels' fused loss (memplan.kernels.apply(model))
     fsdp_equivalent: str | None = None  # for a ZeRO plan: the FSDP sharding strategy that partitions alike
     step_seconds: float = 0.0
     step_terms: dict[str, float] = {}  # seconds per step by cost term (docs/cost-model.md)
@@ -214,6 +217,7 @@ class Space(NamedTuple):
     sps: list[bool]
     vpps: list[int]
     fsdps: list[str]
+    kernels: list[bool]
 
 
 def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nodes: int, tp: int, pp: int,
@@ -224,8 +228,9 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
         shardings += [(0, f) for f in sp_.fsdps if f != "none" and (f != "hybrid-shard" or nodes > 1)]
     sps = sp_.sps if tp > 1 else [False]
     vpps = [v for v in sp_.vpps if v == 1 or spec.total_layers % (pp * v) == 0] if pp > 1 else [1]
-    for (zero, fsdp), offload, sp, vpp, prec, optim, ckpt, attn in product(
-            shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns):
+    kernel_opts = sp_.kernels if tp == 1 else [False]  # the fused loss is not tensor-parallel
+    for (zero, fsdp), offload, sp, vpp, prec, optim, ckpt, attn, fused in product(
+            shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns, kernel_opts):
         if (offload != "none" and zero == 0) or (offload == "all" and zero != 3) or (pp > 1 and zero > 1):
             continue  # offload is DeepSpeed's; DeepSpeed's pipeline engine refuses ZeRO-2/3
         if (zero or fsdp != "none") and optim not in DEEPSPEED_OPTIMS:
@@ -233,7 +238,7 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
         try:
             base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank, precision=prec, optim=optim,
                             grad_ckpt=ckpt, attn=attn, gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                            zero=zero, offload=offload, fsdp=fsdp, **common)
+                            zero=zero, offload=offload, fsdp=fsdp, kernels=fused, **common)
             check_hardware(gpu, base)
         except (ValidationError, UserError):
             continue
@@ -273,7 +278,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
             fits &= t.cpu_per_gpu * gpus <= cpu_mem
         seq_eff = spec.seq_positions if spec.arch == "vision" else seq
         flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp_.attns for g in sp_.ckpts}
-        model_f = [flops[(w.attn, w.grad_ckpt)] for w in bases]
+        model_f = [flops[(w.attn, w.grad_ckpt)] for w in bases]  # model FLOPs: no recompute
         peak_tf = [gpu.tflops.get(COMPUTE_DTYPE[w.precision]) or gpu.tflops.get("fp32", 1.0) for w in bases]
         used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
         rows, cols = np.nonzero(fits)
@@ -293,6 +298,7 @@ def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
                 pp=w.pp, zero_stage=w.zero, precision=w.precision, optim=w.optim, grad_ckpt=w.grad_ckpt, attn=w.attn,
                 seq_len=w.seq_len, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
                 estimate=est, sp=w.sp, vpp=w.vpp, offload=w.offload, gpus=w.gpus, nodes=w.nodes, fsdp=w.fsdp,
+                kernels=w.kernels,
                 fsdp_equivalent=(FSDP_EQUIVALENT[w.zero] if w.task == "train" and w.world > 1 and w.tp == w.pp == 1
                                  and w.fsdp == "none" else None),
                 step_seconds=st.total if st else 0.0, step_terms=terms)
@@ -303,7 +309,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
             grad_ckpt: str | None = None, attn: str | None = None, momentum: float = 0.0,
             headroom: float = 0.05, zero_grad: str = "set-to-none", top: int = 5, gpus: int = 1, nodes: int = 1,
             zero=None, offload: str | None = None, tp=None, pp=None, sp: str | None = None, vpp=None,
-            fsdp: str | None = None,
+            fsdp: str | None = None, kernels: bool | None = None,
             cpu_mem: int | None = None, net_gbs: float | None = None, objective: str = "throughput") -> Suggestion:
     t0 = time.perf_counter()
     if top < 1:
@@ -351,6 +357,10 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         vpps=_parse_ints(vpp, [1, 2], "vpp"),
         # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
         fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train and zero is None else ["none"], "fsdp"),
+        # the fused loss is searched on one GPU where memplan.kernels.apply can patch the model (the
+        # logits weigh most there); over several GPUs when asked (--kernels), to keep the search fast
+        kernels=[bool(kernels)] if kernels is not None else
+        ([False, True] if train and world == 1 and fused_loss_supported(spec) else [False]),
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
@@ -381,6 +391,9 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     plans = [_plan(spec, gpu, c) for c in distinct(found, top)]
     front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
     why = explain(found[0], found, space) if found else []
+    if found and found[0].base.kernels:
+        notes.append("the first plan trains with memplan's fused loss: call memplan.kernels.apply(model) before "
+                     "training (it keeps no batch x sequence x vocabulary logits)")
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
                      f"{shown_world[0]})")
@@ -429,6 +442,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                      "fsdp": space.fsdps}
     if world > 1 or space.zeros != [0]:
         searched |= {"zero": [str(x) for x in space.zeros], "offload": space.offloads}
+    if len(space.kernels) > 1:
+        searched["kernels"] = ["off", "on"]
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
                       nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,

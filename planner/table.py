@@ -65,7 +65,7 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     reps: list[Workload] = []  # one workload per distinct activation model
     rows = []
     for w in bases:
-        k = (w.precision, w.attn == "eager", w.grad_ckpt, w.sp, half_model(w))
+        k = (w.precision, w.attn == "eager", w.grad_ckpt, w.sp, half_model(w), w.kernels)
         if k not in keys:
             keys[k] = len(reps)
             reps.append(w)
@@ -205,7 +205,7 @@ def step_terms(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.n
     width = spec.hidden_size / w0.tp
     eff = C.PEAK_EFFICIENCY * tokens / (tokens + C.TOKENS_HALF) * width / (width + C.HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
-    hw_f = _col_f([C.flops_per_token(spec, seq, w.attn, w.grad_ckpt)[1] for w in bases])
+    hw_f = _col_f([C.flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)[1] for w in bases])
     dp = w0.dp
     compute_micro = hw_f * tokens / (w0.tp * w0.pp) / (peak * 1e12 * eff)
     micro = compute_micro + C.ACTIVATION_TRAFFIC * saved / bw

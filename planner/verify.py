@@ -125,6 +125,10 @@ def prepare_model(model, w: Workload) -> None:
             enable_selective(model)
         except ValueError as e:
             raise UserError(f"--grad-ckpt selective: {e}") from None
+    if w.kernels:  # the fused loss, as the user's training script applies it
+        from memplan.kernels import apply
+
+        apply(model)
     model.train()
 
 

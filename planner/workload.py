@@ -54,6 +54,8 @@ class Workload(BaseModel):
     # PyTorch FSDP2 through accelerate, instead of DeepSpeed (docs/parallel.md): full-shard ~ ZeRO-3,
     # shard-grad-op ~ ZeRO-2, hybrid-shard = full-shard inside a node, replicated across nodes
     fsdp: Literal["none", "full-shard", "shard-grad-op", "hybrid-shard"] = "none"
+    # memplan.kernels' fused linear + cross-entropy (memplan.kernels.apply(model)): no b*s*V logits
+    kernels: bool = False
     net_gbs: float | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
 
     @field_validator("attn", mode="before")
@@ -115,6 +117,8 @@ class Workload(BaseModel):
                 raise ValueError("--fsdp applies to training")
             if self.optim not in DEEPSPEED_OPTIMS:
                 raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
+        if self.kernels and (self.task == "infer" or self.tp > 1):
+            raise ValueError("--kernels (the fused loss) is for training without tensor parallelism")
         if self.zero and self.task == "infer":
             raise ValueError("--zero applies to training")
         if (self.pp > 1 or self.tp > 1) and self.task == "infer":

@@ -1,4 +1,9 @@
 import pytest
+from hypothesis import settings
+
+# the suite is deterministic: hypothesis draws the same examples on every run (CI included)
+settings.register_profile("memplan", derandomize=True)
+settings.load_profile("memplan")
 
 import memplan
 
