@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from memplan.rules import FUSED_LOSS_CHUNK_BYTES
+from memplan.rules import FUSED_LOSS_CHUNK_BYTES, fused_loss_blocks, fused_loss_chunk
 
 CHUNK_BYTES = FUSED_LOSS_CHUNK_BYTES  # fp32 logits per chunk: 64 MiB (128 tokens at V = 128,256)
 
 
 def default_chunk(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
+    return fused_loss_chunk(vocab, CHUNK_BYTES)
 
 
 def _denominator(targets: torch.Tensor, ignore_index: int, reduction: str, num_items_in_batch) -> torch.Tensor:
@@ -80,8 +80,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_w else None
         # vocabulary blocks outside, token chunks inside: each block of the weight gradient is summed in
         # fp32 over all tokens, then cast once (no V x H fp32 buffer)
-        vchunk = max(1, CHUNK_BYTES // (4 * weight.shape[1]))
-        tchunk = max(chunk, CHUNK_BYTES // (4 * min(vchunk, vocab)))
+        _, vchunk, tchunk = fused_loss_blocks(n, weight.shape[1], vocab, CHUNK_BYTES, chunk)
         for v0 in range(0, vocab, vchunk):
             v1 = min(v0 + vchunk, vocab)
             w = weight[v0:v1]

@@ -21,8 +21,6 @@ from .errors import UserError
 from .modelspec import ModelSpec
 from .parallel import STAGE3_MAX_REUSE_DISTANCE, SUB_GROUP_SIZE, ds_buckets
 
-FILES = {"trainer": ("training_args.json", "training_args.py"), "deepspeed": ("ds_config.json",),
-         "accelerate": ("accelerate_config.yaml",)}
 DS_CONFIG = "ds_config.json"
 # DataLoader settings that keep the GPU fed: pinned host memory for async copies, worker processes
 # kept alive across epochs (torch.utils.data.DataLoader docs).

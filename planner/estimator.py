@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .activations import ActivationModel, Tensors, inference_working_set, training_activations
 from .errors import UserError
 from .modelspec import ModelSpec, ParamGroup
-from .parallel import fsdp_states, stage_params, tied_head, zero_states
+from .parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
     ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, OPTIMIZERS,
@@ -410,7 +410,7 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
     c_all, c_head = _autocast_copies(groups, tied) if prec.autocast else (0, 0)
     return StageStates(groups, weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
                        c_all, c_head, _head_grads(groups, tied, prec.grad), _segments(persistent),
-                       sum(g.numel * g.count for g in groups), *stage_layers(spec, w.pp, stage))
+                       numel(groups), *stage_layers(spec, w.pp, stage))
 
 
 class StageActs(NamedTuple):
@@ -511,11 +511,11 @@ def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) ->
                         n_layers * max(1, round(flight)), flight)
 
 
-def _act_segments(spec: ModelSpec, w: Workload, stage: int, n: StageNumbers) -> int:
-    """Segments of the activation tensors alive at the peak moment (none at the optimizer step)."""
-    if n.peak_phase in STEP_PHASES:
+def _act_segments(spec: ModelSpec, w: Workload, stage: int, am: ActivationModel, copies: int, phase: str) -> int:
+    """Segments of the activation tensors alive at the moment `phase` (none at the optimizer step);
+    `copies`: the per-layer sets held (layers x micro batches in flight)."""
+    if phase in STEP_PHASES:
         return 0
-    am, copies, phase = n.sa.am, n.copies, n.peak_phase
     first, last = stage == 0, stage == w.pp - 1
 
     def segments() -> int:
@@ -559,7 +559,7 @@ def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):
         notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({st.n_enc + st.n_dec} layers, "
                      f"{n.flight:g} micro batches in flight)")
     extra = {"cpu": st.cpu, "n_params": st.n_params, "persistent_segments": st.persistent_segments,
-             "act_segments": _act_segments(spec, w, stage, n), "saved": n.acts,
+             "act_segments": _act_segments(spec, w, stage, n.sa.am, n.copies, peak_phase), "saved": n.acts,
              "state": st.weights + st.grads + st.states}
     return parts, n.phases, peak_phase, notes, _per_layer_terms(n.sa.am.layer), extra
 

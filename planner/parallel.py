@@ -38,9 +38,6 @@ def ds_buckets(spec: ModelSpec) -> dict[str, int]:
             "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS}
 
 
-Tensor = ParamGroup  # one GPU's parameter tensors: the model's table, sharded and split
-
-
 def _group(category: str, shape: tuple[int, ...], count: int, trainable: bool) -> ParamGroup:
     return ParamGroup.model_construct(category=category, shape=shape, count=count, trainable=trainable)
 
@@ -54,7 +51,7 @@ def _tp_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return shape[:i] + (-(-shape[i] // tp),) + shape[i + 1:]
 
 
-def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[Tensor]:
+def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGroup]:
     """The parameter tensors one GPU of pipeline stage `stage` (0-based) holds, after TP sharding.
     A group whose count is a multiple of the layer count belongs to the layers (count // L per layer);
     what is left over (embedding / final norms, poolers) to the first or last stage."""
@@ -63,7 +60,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[Tensor]:
     lo = stage * per_stage
     n_layers = max(0, min(L, lo + per_stage) - lo)
     first, last = stage == 0, stage == pp - 1
-    out: list[Tensor] = []
+    out: list[ParamGroup] = []
     if tp == 1 and pp == 1:
         return list(spec.params)
     for g in spec.params:
@@ -85,8 +82,8 @@ def tied_head(spec: ModelSpec) -> bool:
     return spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm")
 
 
-def numel(ts: list[Tensor], trainable_only: bool = False) -> int:
-    return sum(t.numel * t.count for t in ts if t.trainable or not trainable_only)
+def numel(ts: list[ParamGroup], trainable_only: bool = False) -> int:
+    return sum(t.total for t in ts if t.trainable or not trainable_only)
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ class ZeroStates:
     cpu: int  # host RAM this GPU's process holds for offload
 
 
-def zero_states(ts: list[Tensor], spec: ModelSpec, *, zero: int, dp: int, offload: str, half: bool,
+def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, offload: str, half: bool,
                 moments: float, accumulating: bool) -> ZeroStates:
     """The states of one DeepSpeed rank holding tensors `ts`, partitioned over `dp` ranks (DeepSpeed
     0.19 read for each term; P = parameters of this GPU, N = dp; docs/parallel.md).
@@ -145,7 +142,7 @@ def zero_states(ts: list[Tensor], spec: ModelSpec, *, zero: int, dp: int, offloa
         comm = 2 * b["reduce_bucket_size"] * pb
         # the stage-2 partition (grads_in_partition) is freed at each step (_release_ipg_buffers)
         return ZeroStates(P * pb, grads, False, step, opt, comm, 0, cpu)
-    persistent = sum(t.numel * t.count for t in ts if t.numel <= b["stage3_param_persistence_threshold"])
+    persistent = sum(t.total for t in ts if t.numel <= b["stage3_param_persistence_threshold"])
     sharded = P - persistent
     weights = (part(sharded) + persistent) * pb
     cpu = 0
@@ -165,20 +162,20 @@ SUB_GROUP_SIZE = 10**9  # DeepSpeed default sub_group_size (elements)
 STAGE3_MAX_REUSE_DISTANCE = 10**9  # DeepSpeed default (elements)
 
 
-def gathered_numel(spec: ModelSpec, ts: list[Tensor]) -> int:
+def gathered_numel(spec: ModelSpec, ts: list[ParamGroup]) -> int:
     """ZeRO-3 parameters gathered at the worst moment: the module being computed, the prefetch bucket,
     and at the turn from forward to backward the last layers' parameters, which are not released
     because they are reused within stage3_max_reuse_distance; at most stage3_max_live_parameters
     (partitioned_param_coordinator.py: fetch_sub_module, __params_to_release)."""
     b = ds_buckets(spec)
     thr = b["stage3_param_persistence_threshold"]
-    sharded = sum(t.numel * t.count for t in ts if t.numel > thr)
+    sharded = sum(t.total for t in ts if t.numel > thr)
     largest = max((t.numel for t in ts), default=0)
     kept = min(STAGE3_MAX_REUSE_DISTANCE, b["stage3_max_live_parameters"], sharded)
     return max(largest + b["stage3_prefetch_bucket_size"], kept) if sharded else 0
 
 
-def fsdp_states(ts: list[Tensor], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, half: bool,
+def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, half: bool,
                 moments: float) -> ZeroStates:
     """PyTorch FSDP2 (`fully_shard`, as accelerate applies it with an auto-wrap policy on the decoder /
     encoder layer class). accelerate's mixed precision sets MixedPrecisionPolicy(param_dtype=half,

@@ -219,9 +219,16 @@ FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "
                        "gpt2": "transformer"}
 
 
-def fused_loss_blocks(tokens: int, hidden: int, vocab: int) -> tuple[int, int, int]:
-    """(forward token chunk, backward vocabulary block, backward token chunk) of the fused loss."""
-    chunk = max(1, FUSED_LOSS_CHUNK_BYTES // (4 * vocab))
-    vblock = max(1, FUSED_LOSS_CHUNK_BYTES // (4 * hidden))
-    tblock = max(chunk, FUSED_LOSS_CHUNK_BYTES // (4 * min(vblock, vocab)))
-    return min(chunk, tokens), min(vblock, vocab), min(tblock, tokens)
+def fused_loss_blocks(tokens: int, hidden: int, vocab: int, chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,
+                      chunk: int | None = None) -> tuple[int, int, int]:
+    """(forward token chunk, backward vocabulary block, backward token chunk) of the fused loss: the
+    kernel (kernels/cross_entropy.py) and the activation model both size their blocks here."""
+    chunk = chunk or fused_loss_chunk(vocab, chunk_bytes)
+    vblock = max(1, chunk_bytes // (4 * hidden))
+    tblock = max(chunk, chunk_bytes // (4 * min(vblock, vocab)))
+    return max(1, min(chunk, tokens)), min(vblock, vocab), max(1, min(tblock, tokens))
+
+
+def fused_loss_chunk(vocab: int, chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES) -> int:
+    """Tokens per forward chunk of the fused loss: chunk_bytes of fp32 logits."""
+    return max(1, chunk_bytes // (4 * vocab))

@@ -2,8 +2,9 @@
 
 The space: tensor x pipeline x data parallel degrees over `gpus * nodes` GPUs (TP inside a node, and
 dividing the attention and KV heads), sequence parallelism with TP, the interleaved pipeline schedule,
-ZeRO stage 0-3 with optimizer / parameter offload, and every single-GPU knob: micro batch (the global
-batch is micro x accumulation x dp exactly), checkpointing, precision, optimizer, attention.
+ZeRO stage 0-3 with optimizer / parameter offload, FSDP, memplan's fused loss (on one GPU, or when
+asked), and every single-GPU knob: micro batch (the global batch is micro x accumulation x dp
+exactly), checkpointing, precision, optimizer, attention.
 
 Nothing is pruned: every candidate of a layout (every setting of the other knobs x every micro
 batch) is evaluated at once by `memplan.table`, the estimator and the cost model in numpy; the plans
@@ -32,7 +33,7 @@ from .estimator import (
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
 from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
-from .workload import DEEPSPEED_OPTIMS, Workload, canonical_optim
+from .workload import ADAM_OPTIMS, Workload, canonical_optim
 
 DEFAULT_GLOBAL_BATCH = 32
 ATTNS = ("flash", "sdpa", "eager")
@@ -233,7 +234,7 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
             shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns, kernel_opts):
         if (offload != "none" and zero == 0) or (offload == "all" and zero != 3) or (pp > 1 and zero > 1):
             continue  # offload is DeepSpeed's; DeepSpeed's pipeline engine refuses ZeRO-2/3
-        if (zero or fsdp != "none") and optim not in DEEPSPEED_OPTIMS:
+        if (zero or fsdp != "none") and optim not in ADAM_OPTIMS:
             continue
         try:
             base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank, precision=prec, optim=optim,

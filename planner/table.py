@@ -16,7 +16,7 @@ import numpy as np
 from . import cost
 from .estimator import (
     ACTIVATION_FRAGMENTATION, CUBLAS_WORKSPACE, _act_segments, _stage_acts, _stage_states,
-    _tied_grad_sum, half_model, StageActs, StageNumbers, StageStates,
+    _tied_grad_sum, half_model, StageActs, StageStates,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
@@ -178,8 +178,7 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
                 rest, cp = divmod(c, top)
                 rest, phase = divmod(rest, 3)
                 r, k = divmod(rest, K)
-                n = StageNumbers(None, f["sas"][r][k], {}, PHASES[phase], 0, 0, 0, 0, 0, 0, 0, {}, cp, 0)
-                values[j] = _act_segments(spec, f["reps"][r], stages[si], n)
+                values[j] = _act_segments(spec, f["reps"][r], stages[si], f["sas"][r][k].am, cp, PHASES[phase])
             segs[mask] = values[inv.reshape(-1)]
     reserved = persistent + segs + workspace + (ACTIVATION_FRAGMENTATION * frag_bytes).astype(np.int64)
     reserved = np.maximum(reserved, allocated)

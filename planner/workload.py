@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .rules import INFER_PRECISIONS, OPTIM_ALIASES, OPTIMIZERS, TRAIN_PRECISIONS
 
-# What a ZeRO optimizer runs as: DeepSpeed's FusedAdam on the GPU, DeepSpeedCPUAdam under offload.
-DEEPSPEED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# The optimizers memplan models under ZeRO (DeepSpeed's FusedAdam, DeepSpeedCPUAdam under offload) and FSDP.
+ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # transformers' attn_implementation names -> memplan's
 ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
                 "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash"}
@@ -102,7 +102,7 @@ class Workload(BaseModel):
         if self.zero and self.precision not in ("fp32", "fp16", "bf16"):
             raise ValueError("DeepSpeed runs fp32, fp16 or bf16 (its own mixed precision); "
                              f"not {self.precision}")
-        if self.zero and self.optim not in DEEPSPEED_OPTIMS:
+        if self.zero and self.optim not in ADAM_OPTIMS:
             raise ValueError(f"under ZeRO memplan plans DeepSpeed's Adam (FusedAdam / DeepSpeedCPUAdam): "
                              f"--optim adamw, not {self.optim}")
         if self.pp > 1 and self.zero > 1:
@@ -115,7 +115,7 @@ class Workload(BaseModel):
                 raise ValueError(f"FSDP mixed precision is fp16 or bf16 (or fp32), not {self.precision}")
             if self.task == "infer":
                 raise ValueError("--fsdp applies to training")
-            if self.optim not in DEEPSPEED_OPTIMS:
+            if self.optim not in ADAM_OPTIMS:
                 raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
         if self.kernels and (self.task == "infer" or self.tp > 1):
             raise ValueError("--kernels (the fused loss) is for training without tensor parallelism")

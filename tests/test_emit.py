@@ -2,9 +2,11 @@
 DeepSpeedConfig at the plan's world size, accelerate's config file loader and launch options."""
 
 import dataclasses
+import enum
 import json
 import subprocess
 import sys
+import types
 import typing
 
 import pytest
@@ -17,21 +19,35 @@ from memplan.errors import UserError
 BF16_ON_CPU = "doesn't support bf16"
 
 
+def _type_ok(value, hint) -> bool:
+    """Whether `value` is a valid value of the dataclass annotation `hint`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin is not None:
+        return isinstance(value, origin)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value in {e.value for e in hint} or isinstance(value, hint)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
 def check_training_arguments(kw: dict, ds_path: str | None = None):
-    """Construct TrainingArguments from the emitted kwargs. On a CPU-only machine transformers refuses
-    bf16 (and fused optimizers need a device): then every field name and value type is checked against
-    the dataclass and the rest is constructed with use_cpu."""
+    """Every field name and value type against the TrainingArguments dataclass, then construct it. On
+    a CPU-only machine transformers refuses bf16: then the rest is constructed with use_cpu."""
     from transformers import TrainingArguments
 
-    fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    unknown = set(kw) - set(fields)
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    unknown = set(kw) - fields
     assert not unknown, f"not TrainingArguments fields: {unknown}"
     hints = typing.get_type_hints(TrainingArguments)
     for k, v in kw.items():
-        allowed = typing.get_args(hints[k]) or (hints[k],)
-        names = {getattr(a, "__name__", str(a)) for a in allowed}
-        assert type(v).__name__ in names or isinstance(v, (str, dict, list)) or "Union" in str(hints[k]) or \
-            any(isinstance(v, a) for a in allowed if isinstance(a, type)), (k, v, hints[k])
+        assert _type_ok(v, hints[k]), (k, v, hints[k])
     args = dict(kw)
     if ds_path:
         args["deepspeed"] = ds_path
@@ -67,9 +83,13 @@ def test_bert_large_v100_training_arguments(ddp_plan, tmp_path):
     assert ns["args"] == kw
 
 
-def test_a_wrong_key_fails_the_check():
+def test_a_wrong_key_or_type_fails_the_check():
     with pytest.raises(AssertionError):
         check_training_arguments({"output_dir": "out", "per_device_train_batch_sizes": 4})
+    with pytest.raises(AssertionError):
+        check_training_arguments({"output_dir": "out", "per_device_train_batch_size": "4"})
+    with pytest.raises(AssertionError):
+        check_training_arguments({"output_dir": "out", "bf16": "yes"})
 
 
 def _ds_top_level_keys() -> set[str]:
