@@ -379,7 +379,8 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
     rule = OPTIMIZERS[w.optim]
     ds = half_model(w)
     last = stage == w.pp - 1
-    groups = stage_params(spec, w.tp, w.pp, stage)
+    # shared by every ZeRO / precision / optimizer setting of a layout
+    groups = _memo(spec, ("stage-params", w.tp, w.pp, stage), lambda: stage_params(spec, w.tp, w.pp, stage))
     tied = -(-spec.vocab_size // w.tp) * spec.hidden_size if (tied_head(spec) and last and w.pp == 1) else 0
     trainable = tuple(g for g in groups if g.trainable)
     comm = gathered = cpu = temp = 0

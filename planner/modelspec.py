@@ -11,6 +11,7 @@ This module imports no torch: catalog specs are stored as JSON and loaded here.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,12 +32,14 @@ class ParamGroup(BaseModel):
     count: int = 1
     trainable: bool = True
 
-    @property
+    # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
+    # frozen model; it is not a field)
+    @cached_property
     def numel(self) -> int:
         """Elements of one tensor of this group."""
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def total(self) -> int:
         return self.numel * self.count
 

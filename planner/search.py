@@ -17,6 +17,8 @@ reported with what it would gain.
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
 from collections.abc import Iterable
 from itertools import product
@@ -305,6 +307,24 @@ def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
                 step_seconds=st.total if st else 0.0, step_terms=terms)
 
 
+def _without_gc(fn):
+    """Run `fn` with the cyclic garbage collector paused. The search allocates about a million small,
+    short-lived objects (workloads, tuples, arrays; freed by reference counting, no cycles), and each
+    collection those allocations trigger walks the whole heap of the process, torch's and transformers'
+    objects included: that doubled the time of a first search (docs/cost-model.md, search speed)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+    return run
+
+
+@_without_gc
 def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: int | None = None,
             global_batch: int | None = None, precision: str | None = None, optim: str | None = None,
             grad_ckpt: str | None = None, attn: str | None = None, momentum: float = 0.0,

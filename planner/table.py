@@ -14,13 +14,17 @@ from typing import NamedTuple
 import numpy as np
 
 from . import cost
+from .activations import training_activations
 from .estimator import (
-    ACTIVATION_FRAGMENTATION, CUBLAS_WORKSPACE, _act_segments, _stage_acts, _stage_states,
-    _tied_grad_sum, half_model, StageActs, StageStates,
+    ACTIVATION_FRAGMENTATION, CUBLAS_WORKSPACE, _act_segments, _memo, _stage_acts, _stage_states,
+    _tied_grad_sum, _train_precision, half_model, StageActs, StageStates,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
-from .rules import PRECISIONS
+from .rules import (
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_BLOCK, ALLOC_MIN_LARGE_ALLOC, ALLOC_ROUND_LARGE, ALLOC_SMALL_BUFFER,
+    ALLOC_SMALL_SIZE, PRECISIONS,
+)
 from .workload import Workload
 
 PHASES = ("forward-loss", "backward-start", "backward-layer", "optimizer-step", "backward-end")
@@ -70,10 +74,10 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
             keys[k] = len(reps)
             reps.append(w)
         rows.append(keys[k])
-    sas = [[_stage_acts(spec, w, int(mb)) for mb in mbs] for w in reps]
     ridx = np.asarray(rows)
     # every byte sum of the activation models, (U, K, F), gathered to the rows on use
-    sums = np.array([[sa[1:] for sa in row] for row in sas], dtype=np.int64)
+    units = _stacked(spec, reps)
+    sums = _act_sums(spec, reps, units, mbs)
     sa_position = {name: i - 1 for i, name in enumerate(StageActs._fields)}
 
     def sa_field(name: str) -> np.ndarray:
@@ -131,9 +135,128 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     ])
     transient = np.stack([np.broadcast_to(loss_fwd, (B, K)), np.broadcast_to(loss_bwd, (B, K)),
                           recompute + layer_bwd, np.zeros((B, K), np.int64), tied_sum])
-    fields = dict(acts=acts, lsm=lsm, transient=transient, flight=flight, sts=sts, sas=sas, ridx=ridx, reps=reps,
+    fields = dict(acts=acts, lsm=lsm, transient=transient, flight=flight, sts=sts, ridx=ridx, reps=reps, units=units,
                   st_field=st_field, n_layers=n_layers)
     return phases, fields
+
+
+# -- the activation models over the micro batches ------------------------------------------------------
+# Every activation term is affine in the micro batch b: activations.py builds each from T = b*s, b*a*s*s,
+# b*s*E ..., and a few are shared by the batch (T5's position bias), except the fused loss's blocks,
+# whose sizes depend on the token count. So the models at b = 1 and b = 2, before tensor-parallel
+# sharding, give every micro batch's tensors as (c + mb * x) / tp, the same float the scalar path
+# computes as bytes(mb) / tp (tests/test_table.py checks this over the catalog); the allocator's
+# rounding is then applied per tensor, for all the distinct activation models of a layout and all micro
+# batches at once.
+_LISTS = ("layer", "decoder_layer", "embed", "head_saved", "lsm", "layer_input", "layer_core", "loss_forward",
+          "loss_backward", "layer_backward")  # StageActs' sums, in its order
+_LIST = {name: i for i, name in enumerate(_LISTS)}
+_MOMENT_LIST = {"forward-loss": _LIST["loss_forward"], "backward-start": _LIST["loss_backward"],
+                "backward-layer": _LIST["layer_backward"]}
+
+
+class _Units(NamedTuple):
+    """The tensors of one activation model, unsharded, every list in one: bytes(b) = c + b * x."""
+
+    c: np.ndarray  # (T,) float64 bytes of one tensor that do not grow with the batch
+    x: np.ndarray  # (T,) float64 bytes of one tensor per sequence of the micro batch
+    count: np.ndarray  # (T,) int64
+    rep: np.ndarray  # (T,) bool: replicated under TP unless SP (activations.shard); after _stacked, the divisor
+    member: np.ndarray  # (T, F) int64: 1 where the tensor belongs to list f (lsm is part of head_saved)
+
+
+def _units(spec: ModelSpec, w: Workload) -> _Units:
+    prec = _train_precision(w)
+    key = ("unit-acts", w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt)
+
+    def make() -> _Units:
+        one, two = (training_activations(spec, b, w.seq_len, prec, w.attn, selective=w.grad_ckpt == "selective",
+                                         kv_cache=w.grad_ckpt != "full") for b in (1, 2))
+        every, rows = [], []
+        for name in _LISTS:
+            if name == "lsm":
+                continue
+            for t, t2 in zip(getattr(one, name), getattr(two, name), strict=True):
+                every.append((t, t2))
+                row = [0] * len(_LISTS)
+                row[_LIST[name]] = 1
+                if name == "head_saved" and t.name.startswith("log_softmax"):
+                    row[_LIST["lsm"]] = 1
+                rows.append(row)
+        n1 = np.array([float(t.nbytes) for t, _ in every])
+        n2 = np.array([float(t2.nbytes) for _, t2 in every])
+        return _Units(2 * n1 - n2, n2 - n1, np.array([t.count for t, _ in every], np.int64),
+                      np.array([t.rep for t, _ in every], bool), np.array(rows, np.int64).reshape(-1, len(_LISTS)))
+    return _memo(spec, key, make)
+
+
+def _stacked(spec: ModelSpec, reps: list[Workload]) -> _Units:
+    """The reps' units padded to one width (a padding tensor has 0 bytes and belongs to no list), with
+    each tensor's divisor under tensor parallelism in place of `rep`."""
+    us = [_units(spec, w) for w in reps]
+    width = max(len(u.x) for u in us)
+    R = len(us)
+    c, x = np.zeros((R, width)), np.zeros((R, width))
+    count, div = np.zeros((R, width), np.int64), np.ones((R, width), np.int64)
+    member = np.zeros((R, width, len(_LISTS)), np.int64)
+    for r, (u, w) in enumerate(zip(us, reps)):
+        n = len(u.x)
+        c[r, :n], x[r, :n], count[r, :n], member[r, :n] = u.c, u.x, u.count, u.member
+        if w.tp > 1:
+            div[r, :n] = np.where(u.rep & (not w.sp), 1, w.tp)
+    return _Units(c, x, count, div, member)
+
+
+def _round_block(nbytes: np.ndarray) -> np.ndarray:
+    """rules.round_block over an array of float byte counts."""
+    n = np.trunc(nbytes).astype(np.int64)
+    return np.where(n > 0, -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK, 0)
+
+
+def _act_sums(spec: ModelSpec, reps: list[Workload], u: _Units, mbs: np.ndarray) -> np.ndarray:
+    """(R, K, F): estimator._stage_acts' rounded sums (StageActs[1:]) of every rep at every micro batch
+    (u: `_stacked(reps)`)."""
+    n = _round_block((u.c[:, None, :] + mbs[None, :, None] * u.x[:, None, :]) / u.rep[:, None, :])  # (R, K, T)
+    sums = np.einsum("rkt,rtf->rkf", n * u.count[:, None, :], u.member)
+    for r, w in enumerate(reps):
+        if w.kernels:  # the fused loss's blocks are not linear in b: the scalar path, one model per micro batch
+            sums[r] = np.array([_stage_acts(spec, w, int(mb))[1:] for mb in mbs], dtype=np.int64)
+    return sums
+
+
+def _segments(spec: ModelSpec, reps: list[Workload], u: _Units, stage: int, r: np.ndarray, mb: np.ndarray,
+              moment: np.ndarray, copies: np.ndarray) -> np.ndarray:
+    """estimator._act_segments at U (rep r, micro batch mb, moment (index into PHASES), copies) points:
+    the segments of the activation tensors alive at that moment."""
+    first, last = stage == 0, stage == reps[0].pp - 1
+    n = _round_block((u.c[r] + mb[:, None] * u.x[r]) / u.rep[r])  # (U, T)
+    # how many of each tensor are alive: its lists' multiplicities at that point
+    mult = np.zeros((len(r), len(_LISTS)), np.int64)
+    full = np.array([w.grad_ckpt == "full" for w in reps])[r]
+    mult[:, _LIST["layer"]] = np.where(full, 0, copies)
+    mult[:, _LIST["layer_input"]] = np.where(full, copies, 0)
+    mult[:, _LIST["embed"]] = first
+    if last:
+        mult[:, _LIST["head_saved"]] = 1
+        for i, name in enumerate(PHASES):
+            if name in _MOMENT_LIST:
+                mult[moment == i, _MOMENT_LIST[name]] = 1
+    count = u.count[r] * np.einsum("utf,uf->ut", u.member[r], mult)
+    # estimator._segments: small tensors packed into 2 MiB segments, 1-10 MiB ones into 20 MiB segments,
+    # larger ones rounded to 2 MiB each
+    small_m = (n > 0) & (n <= ALLOC_SMALL_SIZE)
+    mid_m = (n > ALLOC_SMALL_SIZE) & (n < ALLOC_MIN_LARGE_ALLOC)
+    large_m = n >= ALLOC_MIN_LARGE_ALLOC
+    small = np.where(small_m, n * count, 0).sum(axis=1)
+    per_seg = ALLOC_LARGE_BUFFER // np.where(mid_m, n, 1)
+    mid = np.where(mid_m, -(-count // per_seg) * ALLOC_LARGE_BUFFER, 0).sum(axis=1)
+    large = np.where(large_m, -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE * count, 0).sum(axis=1)
+    out = -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid + large
+    for j in np.nonzero(np.array([w.kernels for w in reps])[r])[0].tolist():  # not linear in b: scalar
+        w = reps[r[j]]
+        am = _stage_acts(spec, w, int(mb[j])).am
+        out[j] = _act_segments(spec, w, stage, am, int(copies[j]), PHASES[moment[j]])
+    return out
 
 
 def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[int], per_rank: int) -> Table:
@@ -173,12 +296,10 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
             top = int(copies.max()) + 1
             code = ((np.broadcast_to(f["ridx"][:, None], (B, K)) * K + ks) * 3 + idx) * top + copies
             uniq, inv = np.unique(code[mask], return_inverse=True)
-            values = np.empty(len(uniq), np.int64)
-            for j, c in enumerate(uniq.tolist()):
-                rest, cp = divmod(c, top)
-                rest, phase = divmod(rest, 3)
-                r, k = divmod(rest, K)
-                values[j] = _act_segments(spec, f["reps"][r], stages[si], f["sas"][r][k].am, cp, PHASES[phase])
+            rest, cps = np.divmod(uniq, top)
+            rest, moment = np.divmod(rest, 3)
+            r_of, k_of = np.divmod(rest, K)
+            values = _segments(spec, f["reps"], f["units"], stages[si], r_of, mb[k_of], moment, cps)
             segs[mask] = values[inv.reshape(-1)]
     reserved = persistent + segs + workspace + (ACTIVATION_FRAGMENTATION * frag_bytes).astype(np.int64)
     reserved = np.maximum(reserved, allocated)
