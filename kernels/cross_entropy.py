@@ -9,13 +9,15 @@ in fp32 over all tokens in place (`addmm_`) and cast once; the hidden-state grad
 over the blocks. Peak extra memory: one block of fp32 logits and its gradient (about 64 MiB each), one
 block's fp32 weight-gradient sum, the fp32 hidden-state gradient (N x H x 4) and the log-sum-exp.
 
-This is the tiled PyTorch path (CPU, and the fallback on GPU). `reference` is the plain computation the
-tests hold it to.
+This is the tiled PyTorch path (CPU, and the fallback on GPU). On CUDA, `linear_cross_entropy` runs the
+Triton kernels of kernels/triton_cross_entropy.py instead (backend="auto"), imported only then: triton may
+be missing (it is Linux-only). `reference` is the plain computation the tests hold both to.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memplan.rules import FUSED_LOSS_CHUNK_BYTES, fused_loss_blocks, fused_loss_chunk
 
@@ -32,6 +34,15 @@ def _denominator(targets: torch.Tensor, ignore_index: int, reduction: str, num_i
     if num_items_in_batch is not None:  # gradient accumulation: normalise by the whole batch's tokens
         return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=targets.device)
     return (targets != ignore_index).sum().to(torch.float32)
+
+
+def token_grads(grad_out: torch.Tensor, denom: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                reduction: str) -> torch.Tensor:
+    """Each token's loss gradient: the reduction's scale, or the caller's per-token gradient; zero for
+    ignored tokens, also when every token is ignored and the mean is 0 / 0 (torch's cross_entropy gives
+    a NaN loss and zero gradients there)."""
+    g = grad_out.float() if reduction == "none" else (grad_out.float() / denom).expand(targets.shape[0])
+    return torch.where(targets != ignore_index, g, 0.0)
 
 
 def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, softcap: float | None):
@@ -74,8 +85,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # per-token loss gradient: the reduction's scale, or the caller's per-token gradient
-        g_tok = grad_out.float() if reduction == "none" else (grad_out.float() / denom).expand(n)
-        g_tok = g_tok * (targets != ignore_index)
+        g_tok = token_grads(grad_out, denom, targets, ignore_index, reduction)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_weight = torch.empty_like(weight) if need_w else None
         # vocabulary blocks outside, token chunks inside: each block of the weight gradient is summed in
@@ -115,14 +125,20 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "mean", *, chunk_size: int | None = None, softcap: float | None = None,
-                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                         num_items_in_batch: int | torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `targets`, in chunks of tokens.
 
     hidden: (..., H); weight: (V, H); targets: (...) token ids, `ignore_index` for none.
     reduction: "mean" (over the targets that are not ignored, or over `num_items_in_batch` when given,
     as transformers passes it under gradient accumulation), "sum" or "none" (per token, fp32).
     softcap: Gemma 2's final logit soft-capping, softcap * tanh(logits / softcap).
+    backend: "auto" (the Triton kernels for fp32/fp16/bf16 tensors on CUDA when triton imports, else the
+    tiled PyTorch path), "triton" (CUDA tensors, or CPU tensors under Triton's interpreter:
+    TRITON_INTERPRET=1 set before the kernel module is first imported) or "torch". chunk_size applies to
+    the PyTorch path only; the Triton kernels have their own tiles.
     """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, not {reduction!r}")
     if hidden.shape[-1] != weight.shape[1]:
@@ -132,17 +148,51 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"targets {tuple(targets.shape)} must match the hidden states' leading shape {tuple(lead)}")
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    chunk = chunk_size or default_chunk(weight.shape[0])
     device = h.device.type
     if torch.is_autocast_enabled(device):
         # cast once, outside: inside, autocast would cast the weight again for every chunk
         dtype = torch.get_autocast_dtype(device)
         h, weight = h.to(dtype), weight.to(dtype)
         with torch.autocast(device, enabled=False):
-            out = LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+            out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)
     else:
-        out = LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+        out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)
     return out.reshape(lead) if reduction == "none" else out
+
+
+def _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch):
+    triton_loss = _triton_loss(backend, h, weight)
+    if triton_loss is not None:
+        return triton_loss.apply(h, weight, t, ignore_index, reduction, softcap, num_items_in_batch)
+    chunk = chunk_size or default_chunk(weight.shape[0])
+    return LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _triton_loss(backend: str, h: torch.Tensor, weight: torch.Tensor):
+    """The Triton autograd.Function if `backend` picks it for these tensors, else None."""
+    if backend == "torch":
+        return None
+    on_cuda = h.is_cuda and weight.is_cuda
+    if backend == "auto":
+        # fake tensors (memplan's tracer) keep the PyTorch path: a kernel launch needs real memory
+        if not on_cuda or is_fake(h) or h.dtype != weight.dtype or h.dtype not in _TRITON_DTYPES:
+            return None
+        try:
+            from . import triton_cross_entropy
+        except ImportError:  # no triton (not Linux, or not installed): the tiled PyTorch path
+            return None
+        return triton_cross_entropy.TritonLinearCrossEntropy
+    try:
+        from . import triton_cross_entropy
+    except ImportError as e:
+        raise ValueError(f"backend='triton' needs triton, which does not import here: {e}") from e
+    if not on_cuda and not triton_cross_entropy.INTERPRETED:
+        raise ValueError("backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
+                         "memplan.kernels.triton_cross_entropy is first imported (Triton's interpreter)")
+    return triton_cross_entropy.TritonLinearCrossEntropy
 
 
 def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None):

@@ -1,5 +1,13 @@
+import os
+
 import pytest
+import torch
 from hypothesis import settings
+
+# Without a GPU the Triton kernels run in Triton's interpreter (on CPU tensors); the variable must be set
+# before a kernel module is imported, since triton.jit reads it when it decorates.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # the suite is deterministic: hypothesis draws the same examples on every run (CI included)
 settings.register_profile("memplan", derandomize=True)

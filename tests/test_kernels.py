@@ -84,8 +84,11 @@ def test_all_ignored(small_blocks):
     t[:] = -100
     loss, gh, gw = run(linear_cross_entropy, h, w, t, reduction="sum")
     assert loss.item() == 0 and gh.abs().max() == 0 and gw.abs().max() == 0
-    mean = linear_cross_entropy(h, w, t)
-    assert torch.isnan(mean) and torch.isnan(reference(h, w, t))  # 0 / 0, as torch's cross_entropy
+    # mean: 0 / 0, a NaN loss with zero gradients, as torch's cross_entropy
+    mean, gh, gw = run(linear_cross_entropy, h, w, t)
+    ref = run(reference, h, w, t)
+    assert torch.isnan(mean) and torch.isnan(ref[0])
+    assert gh.abs().max() == 0 and gw.abs().max() == 0 and ref[1].abs().max() == 0
 
 
 def test_accumulation_equals_one_batch(small_blocks):
@@ -156,19 +159,53 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks):
     torch.testing.assert_close(model(input_ids=x, labels=labels).loss.detach(), base)
 
 
-def test_unsupported_models_get_a_clear_message():
+def test_bert_gets_the_tiled_mlp_with_the_same_loss_and_gradients():
     from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from memplan.kernels import applied, apply, revert
+
+    torch.manual_seed(0)
+    bert = AutoModelForMaskedLM.from_config(AutoConfig.for_model(
+        "bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=50,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    x = torch.randint(0, 50, (2, 24))
+    labels = torch.full_like(x, -100)
+    labels[:, ::3] = x[:, ::3]
+    params = list(bert.parameters())
+
+    def loss_and_grads():
+        loss = bert(input_ids=x, labels=labels).loss
+        return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    base, base_g = loss_and_grads()
+    apply(bert, mlp_chunk=7)  # 48 tokens in 7 chunks
+    assert applied(bert) == {"loss": False, "mlp": 2, "attention": False}  # no fused loss for a masked LM
+    tiled, tiled_g = loss_and_grads()
+    torch.testing.assert_close(tiled, base, rtol=1e-6, atol=1e-6)
+    for a, b in zip(tiled_g, base_g):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    revert(bert)
+    assert applied(bert)["mlp"] == 0 and "feed_forward_chunk" not in vars(bert.bert.encoder.layer[0])
+
+
+def test_unsupported_models_get_a_clear_message():
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     from memplan.kernels import apply
 
+    opt = AutoModelForCausalLM.from_config(AutoConfig.for_model("opt", hidden_size=32, num_hidden_layers=1,
+                                                                num_attention_heads=2, ffn_dim=64, vocab_size=50))
+    with pytest.raises(ValueError, match="supports bert, gemma, gemma2, gpt2, llama, mistral, qwen2; not OPTForCausalLM"):
+        apply(opt)
     bert = AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1,
                                                                  num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match="supports the causal LMs of gemma, gemma2, gpt2, llama"):
-        apply(bert)
+    with pytest.raises(ValueError, match="the fused loss is for the causal LMs of gemma, gemma2, gpt2, llama"):
+        apply(bert, mlp=False)
 
 
-@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-pure"),
-                                dict(precision="bf16", grad_ckpt="full")])
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-pure"), dict(precision="bf16"),
+                                dict(precision="bf16", grad_ckpt="full"), dict(precision="bf16", tiled_mlp=True)])
 def test_estimate_with_the_fused_loss_agrees_with_the_trace(kw):
     """`--kernels`: the estimate against the fake-tensor trace of the patched model (within the accuracy
     suite's 5 %), and far below the same plan without the fused loss."""
@@ -189,3 +226,22 @@ def test_suggest_turns_the_fused_loss_on_where_it_fits_more():
     if s.plans[0].kernels:
         assert any("memplan.kernels.apply" in n for n in s.notes)
         assert s.plans[0].samples_per_s >= plain.plans[0].samples_per_s
+
+
+@pytest.mark.parametrize("model, mb, seq, kw", [
+    ("gpt2", 2, 2048, dict(precision="bf16")),
+    ("gpt2", 2, 2048, dict(precision="fp32")),
+    ("bert-base", 32, 512, dict(precision="bf16")),
+    ("bert-base", 32, 512, dict(precision="bf16-pure", grad_ckpt="full")),
+])
+def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
+    """`--tiled-mlp`: each layer keeps the MLP's input, one chunk is recomputed in backward; against the
+    fake-tensor trace of the patched model, and below the same plan without it."""
+    from memplan.verify import run
+
+    r = run(model=model, gpu="a100-80g", device="fake", steps=2, micro_batch=mb, seq_len=seq, attn="sdpa",
+            tiled_mlp=True, **kw)
+    allocated = r.meters[0]
+    assert abs(allocated.error_pct) <= 5, allocated
+    plain = memplan.estimate(model, "a100-80g", micro_batch=mb, seq_len=seq, attn="sdpa", **kw)
+    assert allocated.predicted_bytes < plain.peak_allocated_bytes
