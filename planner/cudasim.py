@@ -86,7 +86,9 @@ class CudaSemantics(TorchFunctionMode):
     def _to(self, t, dtype):
         if not _eligible(t) or t.dtype == dtype:
             return t
-        if self.cache_enabled and t.is_leaf and t.requires_grad:
+        # ATen's cached_cast: fp32 leaves that require grad and are not views (a slice of one is
+        # a leaf with requires_grad inside an autograd.Function's forward, and is not cached)
+        if self.cache_enabled and t.is_leaf and t.requires_grad and not t._is_view():
             hit = self._cache.get(id(t))
             if hit is not None and hit[0] is t and hit[1].dtype == dtype:
                 return hit[1]

@@ -106,3 +106,24 @@ def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 def test_cuda_run_matches_the_estimate():
     rep = run(model="bert-base", gpu="auto", device="cuda", steps=2, micro_batch=4, seq_len=256)
     assert rep.device == "cuda" and abs(rep.meters[0].error_pct) <= 5
+
+
+def test_emulated_autocast_caches_only_what_cuda_autocast_caches():
+    """ATen's cached_cast keeps casts of fp32 leaves that require grad and are not views: inside an
+    autograd.Function's forward a slice of such a leaf is itself a leaf requiring grad, and a kernel
+    that casts one chunk at a time (the tiled MLP, the fused loss) must not fill the cache."""
+    import torch
+
+    from memplan.cudasim import CudaSemantics
+
+    w = torch.randn(8, 4, requires_grad=True)
+    sem = CudaSemantics(torch.bfloat16, (8, 0), fake=False)
+    sem.cache_enabled = True
+    with torch.no_grad():
+        chunk = w[:2]
+    assert chunk.is_leaf and chunk.requires_grad and chunk._is_view()
+    with sem:
+        torch.mm(torch.randn(3, 4), w.T)  # w.T is a view: cast, not cached
+        torch.mm(chunk, torch.randn(4, 2))
+        torch.nn.functional.linear(torch.randn(3, 4), w)  # the weight itself: cached
+    assert [t for t, _ in sem._cache.values()] == [w]
