@@ -51,6 +51,8 @@ import math
 
 import torch
 
+from .amp import autocast_dtype
+
 BLOCK_BYTES = 16 * 2**20  # default tiles: one fp32 score block of b x hq x block_q x block_k is at most this
 MAX_BLOCK_K = 512
 MIN_BLOCK_Q, MAX_BLOCK_Q = 16, 1024
@@ -99,7 +101,9 @@ class TiledAttention(torch.autograd.Function):
         hkv, sk = k.shape[1], k.shape[2]
         g = hq // hkv
         offset = sk - sq  # bottom-right causal alignment
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # stored (b, sq, hq, d), as flash-attn does: transformers' transpose(1, 2).contiguous() of the
+        # output is then a view, not a second copy beside the saved one
+        out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         # query heads of a group side by side: (b, hkv, g, s, d); these are views, no copy
         q_g, out_g, lse_g = q.unflatten(1, (hkv, g)), out.unflatten(1, (hkv, g)), lse.unflatten(1, (hkv, g))
@@ -282,9 +286,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     path = _pick_backend(backend, q)
     device = q.device.type
     has_autocast = torch.amp.is_autocast_available(device)  # not on the meta device
-    if has_autocast and torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(device)
+    if dtype is not None:
         # cast once, outside: inside, autocast would cast every block's matmul back to half
-        dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -16,8 +16,12 @@ be missing (it is Linux-only). `reference` is the plain computation the tests ho
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from .amp import autocast_dtype
 
 from memplan.rules import FUSED_LOSS_CHUNK_BYTES, fused_loss_blocks, fused_loss_chunk
 
@@ -34,6 +38,16 @@ def _denominator(targets: torch.Tensor, ignore_index: int, reduction: str, num_i
     if num_items_in_batch is not None:  # gradient accumulation: normalise by the whole batch's tokens
         return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=targets.device)
     return (targets != ignore_index).sum().to(torch.float32)
+
+
+def finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction, num_items_in_batch):
+    """The reduction of the per-token losses, with what backward needs saved (both backends)."""
+    denom = _denominator(targets, ignore_index, reduction, num_items_in_batch)
+    ctx.save_for_backward(hidden, weight, targets, lse, denom)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    return total / denom if reduction == "mean" else total
 
 
 def token_grads(grad_out: torch.Tensor, denom: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -70,13 +84,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             per_token[s:e] = torch.where(valid, lse_c - picked, torch.zeros_like(lse_c))
             lse[s:e] = lse_c
             del logits
-        denom = _denominator(targets, ignore_index, reduction, num_items_in_batch)
-        ctx.save_for_backward(hidden, weight, targets, lse, denom)
         ctx.cfg = (ignore_index, reduction, chunk, softcap)
-        if reduction == "none":
-            return per_token
-        total = per_token.sum()
-        return total / denom if reduction == "mean" else total
+        return finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction,
+                              num_items_in_batch)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -149,11 +159,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     device = h.device.type
-    if torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(device)
+    if dtype is not None:
         # cast once, outside: inside, autocast would cast the weight again for every chunk
-        dtype = torch.get_autocast_dtype(device)
         h, weight = h.to(dtype), weight.to(dtype)
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
             out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)
     else:
         out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)

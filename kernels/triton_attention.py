@@ -273,9 +273,11 @@ def _common(q, k, kpm, causal):
 
 
 def forward(q, k, v, causal: bool, kpm, scale: float, block_q=None, block_k=None):
-    """out (like q), lse (b, hq, sq) fp32. kpm: (b, sk) int8 (1 = attend) or None."""
+    """out (b, hq, sq, d) over (b, sq, hq, d) storage, lse (b, hq, sq) fp32. kpm: (b, sk) int8 (1 = attend)
+    or None."""
     b, hq, hkv, sq, sk, d, meta, kpm_arg, kpm_stride = _common(q, k, kpm, causal)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # (b, sq, hq, d) storage, as the PyTorch path: transformers' transpose(1, 2).contiguous() is a view
+    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     args = (q, k, v, out, lse, kpm_arg, *q.stride(), *k.stride(), *v.stride(), *out.stride(), kpm_stride,
             scale, hq, hq // hkv, sq, sk, sk - sq, d)

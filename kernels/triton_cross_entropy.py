@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cross_entropy import _denominator, token_grads
+from .cross_entropy import finish_forward, token_grads
 
 
 @triton.jit
@@ -360,13 +360,9 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         targets = targets.contiguous()
         with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
             per_token, lse = _forward(hidden, weight, targets, ignore_index, softcap, tiles)
-        denom = _denominator(targets, ignore_index, reduction, num_items_in_batch)
-        ctx.save_for_backward(hidden, weight, targets, lse, denom)
         ctx.cfg = (ignore_index, reduction, softcap, tiles)
-        if reduction == "none":
-            return per_token
-        total = per_token.sum()
-        return total / denom if reduction == "mean" else total
+        return finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction,
+                              num_items_in_batch)
 
     @staticmethod
     def backward(ctx, grad_out):

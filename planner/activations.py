@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .modelspec import ModelSpec
-from .rules import Precision, activation_saved_bytes, fused_loss_blocks
+from .rules import PRECISIONS, Precision, activation_saved_bytes, fused_loss_blocks
 
 # Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
 SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
@@ -28,6 +28,9 @@ UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have
 NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
 MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
 PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
+# Norms inside the region memplan.kernels' tiled MLP recomputes: BERT's feed_forward_chunk ends with
+# BertOutput's LayerNorm (the residual add and norm after the second dense).
+TILED_MLP_NORMS = {"bert": 1}
 # The query is a view of the fused QKV output (no rotary embedding makes a new tensor): GPT-2.
 QUERY_VIEWS_FUSED_QKV = {"gpt2"}
 
@@ -179,7 +182,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
 
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
-           s_enc: int = 0, selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
+           s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
     h, T = spec.hidden_size, b * s
     n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
     out: list[Tensors] = []
@@ -193,21 +196,67 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
     if spec.is_moe:
         out += _moe(spec, T, prec)
+    elif tiled_mlp:
+        # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
+        # norm output, in the residual dtype); the norms inside the tiled region keep nothing either
+        out = _drop_norms(spec, out, TILED_MLP_NORMS.get(spec.model_type, 0))
+        out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
     else:
-        n_up = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
-        if spec.model_type in PARALLEL_RESIDUAL:
-            n_up = 1
-        out += _linear_inputs(n_up, h, T, prec, "mlp input")
-        out += _mlp(spec, T, prec)
+        out += _mlp_block(spec, T, prec)
     return out
 
 
-def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
+def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """The MLP's linear inputs and what it saves after them."""
+    n_up = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+    if spec.model_type in PARALLEL_RESIDUAL:
+        n_up = 1
+    return _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input") + _mlp(spec, T, prec)
+
+
+def _drop_norms(spec: ModelSpec, ts: list[Tensors], n: int) -> list[Tensors]:
+    """`ts` less the saved terms of `n` norms (one norm's terms each time)."""
+    if not n:
+        return ts
+    one = _norm(spec, 1, PRECISIONS["fp32"])  # the names and counts of one norm's terms
+    out = list(ts)
+    for _ in range(n):
+        for t in one:
+            i = next(i for i in range(len(out) - 1, -1, -1) if out[i].name == t.name)
+            del out[i]
+    return out
+
+
+def tiled_mlp_chunk(spec: ModelSpec) -> int:
+    """Tokens per chunk of memplan.kernels' tiled MLP: its default, `hidden` tokens (kernels/mlp.py)."""
+    return max(1, spec.hidden_size)
+
+
+def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """One layer's tiled-MLP backward: one chunk's recomputed MLP (what it saves, its output and its
+    gradient buffers) and, over several chunks, x's gradient and the fp32 sums of the MLP's parameter
+    gradients (kernels/mlp.py, TiledMLP.backward)."""
+    h, f, p = spec.hidden_size, spec.intermediate_size, prec.act
+    c = min(T, tiled_mlp_chunk(spec))
+    out = _mlp_block(spec, c, prec) + [Tensors("tiled mlp: chunk output", p * h * c),
+                                       Tensors("mlp grad buffers (one chunk)", p * f * c, 2)]
+    if T > c:
+        mlp_params = (3 if spec.mlp == "gated" else 2) * h * f
+        out += [Tensors("tiled mlp: input gradient", prec.residual * h * T, rep=True),
+                Tensors("tiled mlp: parameter-gradient sums (fp32)", 4 * mlp_params)]
+    return out
+
+
+def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
+                    tiled_mlp: bool = False) -> list[Tensors]:
     """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
-    gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB)."""
+    gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB, or
+    the tiled MLP's recomputed chunk)."""
     T, p = b * s, prec.act
     f_tokens = T * (spec.experts_per_token if spec.is_moe else 1)
     mlp = [Tensors("mlp grad buffers", p * spec.intermediate_size * f_tokens, 2)]
+    if tiled_mlp and not spec.is_moe:
+        mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
         scores = b * spec.num_heads * s * s
         sm = 4 if (prec.autocast or spec.model_type in SOFTMAX_FP32 or p == 4) else p
@@ -297,15 +346,16 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
 
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
-                         sp: bool = False, fused_loss: bool = False) -> ActivationModel:
+                         sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
-    tp, sp: one tensor-parallel rank's share (`shard`). fused_loss: memplan.kernels' loss."""
+    tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
+    and MLP."""
     if spec.arch == "vision":
         s = spec.seq_positions
     # the attention core is rebuilt in backward only under selective recomputation
     core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
-    layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache)
+    layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
     dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     T = b * s
@@ -316,7 +366,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
-        layer_backward=shard(_layer_backward(spec, b, s, prec, attn), tp, sp),
+        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp), tp, sp),
         layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),

@@ -53,6 +53,8 @@ def common_options(f, required: bool = True):
         click.option("--trust-remote-code", is_flag=True, help="allow custom modelling code from the hub"),
         click.option("--kernels", is_flag=True, default=None, help="train with memplan's fused linear + cross-entropy "
                      "(memplan.kernels.apply(model)): no b x s x vocab logits"),
+        click.option("--tiled-mlp", is_flag=True, default=None, help="train with memplan's tiled MLP "
+                     "(memplan.kernels.apply(model, mlp=True)): each layer keeps only its MLP input"),
         click.option("--json", "as_json", is_flag=True, help="print one JSON document"),
     ]):
         f = opt(f)
@@ -128,7 +130,8 @@ def cli() -> None:
 @click.option("--beams", type=int, default=1, show_default=True)
 @_parallel_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-             kernels, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes, zero, fsdp,
+             kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes,
+             zero, fsdp,
              offload, tp, pp, sp, vpp, cpu_mem) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from . import api
@@ -141,7 +144,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
     est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
                        grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
                        grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
-                       zero_grad=zero_grad, headroom=headroom, kernels=kernels,
+                       zero_grad=zero_grad, headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
                        **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp))
     limit = _cpu_mem(cpu_mem)
     if limit is not None and est.cpu_ram_per_node_bytes > limit:
@@ -170,7 +173,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="directory for --emit; '-' prints")
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-            kernels, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
+            kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
             vpp, cpu_mem, net_gbs, emit, out_dir, force) -> None:
     """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
     from . import api
@@ -182,7 +185,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
-                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels)
+                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp)
     if emit and as_json and out_dir == "-":
         raise UserError("--emit -o - and --json both print to stdout; write the files to a directory")
     if as_json:
@@ -217,7 +220,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps; 2 or more also see the "
               "steady state (the first step creates the optimizer state)")
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
-           as_json,
+           tiled_mlp, as_json,
            micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
     """Run the planned training step (random weights, synthetic batches) and compare with the estimate.
 
@@ -225,7 +228,8 @@ def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, 
     from .verify import run
 
     given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
-                 precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels)
+                 precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
+                 tiled_mlp=tiled_mlp)
     if optim_args:
         given["momentum"] = _momentum(optim_args)
     report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,

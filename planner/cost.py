@@ -64,7 +64,7 @@ def _active_params(spec: ModelSpec) -> int:
 
 
 def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
-                    fused_loss: bool = False) -> tuple[float, float]:
+                    fused_loss: bool = False, tiled_mlp: bool = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step. recompute: none,
     selective (the attention core's forward again) or full (the whole forward again)."""
     n = active_params(spec)
@@ -74,6 +74,8 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
     hw = model + {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[recompute]
     if fused_loss:  # the fused loss recomputes the logits in backward: the LM head's forward again
         hw += 2 * spec.hidden_size * spec.vocab_size
+    if tiled_mlp and not spec.is_moe:  # the tiled MLP recomputes each layer's MLP forward in backward
+        hw += 2 * (3 if spec.mlp == "gated" else 2) * spec.hidden_size * spec.intermediate_size * spec.total_layers
     return model, hw
 
 
@@ -145,7 +147,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_by
     eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
     if hw_f is None:
-        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)[1]
+        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)[1]
     dp = w.dp
     compute_micro = hw_f * tokens / (w.tp * w.pp) / (peak * 1e12 * eff)
     micro = compute_micro + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
@@ -230,7 +232,7 @@ def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_b
         t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
         # every data-parallel replica serves its own batches
         return Throughput(t, mb * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
-    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)
+    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
     st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
                    params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)
     return rates(w, mb, m, seq, st.total, model_f, peak, st)

@@ -80,6 +80,12 @@ class CudaSemantics(TorchFunctionMode):
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.kernels: dict[str, int] = {}  # SDPA kernel -> calls, reported by verify
 
+    @property
+    def emulated_autocast_dtype(self) -> torch.dtype | None:
+        """The half dtype while the emulated autocast is on: memplan.kernels cast their inputs once, as
+        under torch.autocast (kernels/amp.py)."""
+        return self.dtype if self.autocast else None
+
     def clear_cache(self) -> None:
         self._cache.clear()
 

@@ -103,8 +103,9 @@ def training_arguments_py(plan, kw: dict) -> str:
         lines.insert(2, "# load the model with torch_dtype=torch.bfloat16 (pure bf16 training)")
     if plan.grad_ckpt == "selective":
         lines.insert(2, "# selective checkpointing: memplan.selective.enable_selective(model) before training")
-    if plan.kernels:
-        lines.insert(2, "# the fused loss: memplan.kernels.apply(model) before training")
+    if plan.kernels or plan.tiled_mlp or plan.attn == "memplan":
+        lines.insert(2, f"# memplan's kernels: memplan.kernels.apply(model, loss={plan.kernels}, mlp={plan.tiled_mlp}, "
+                        f"attention={plan.attn == 'memplan'}) before training")
     return "\n".join(lines + [")", ""])
 
 

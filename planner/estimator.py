@@ -22,7 +22,7 @@ from .parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
     ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, OPTIMIZERS,
-    PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
+    MEMPLAN_ATTN_FAMILIES, PRECISIONS, TILED_MLP_FAMILIES, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
 )
 from .workload import Workload
 
@@ -108,21 +108,33 @@ ATTN_UNSUPPORTED = {"t5": ("flash",), "gemma2": ("sdpa",)}
 
 
 def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
-    return tuple(a for a in ("flash", "sdpa", "eager") if a not in ATTN_UNSUPPORTED.get(spec.model_type, ()))
+    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
+    out = tuple(a for a in ("flash", "sdpa", "eager") if a not in ATTN_UNSUPPORTED.get(spec.model_type, ()))
+    return out + (("memplan",) if spec.model_type in MEMPLAN_ATTN_FAMILIES else ())
 
 
 def check_support(spec: ModelSpec, w: Workload) -> None:
     if w.attn not in supported_attn(spec):
         raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
                         f"(choose from {', '.join(supported_attn(spec))})")
+    if w.attn == "memplan" and w.task == "train" and spec.attention_dropout > 0:
+        raise UserError(f"--attn memplan has no attention dropout and {spec.name}'s config has "
+                        f"{spec.attention_dropout:g}: set the config's attention dropout to 0, or choose another --attn")
     bad = tp_problem(spec, w.tp)
     if bad:
         raise UserError(bad)
     if w.pp > spec.total_layers:
         raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
+    if w.tiled_mlp and not tiled_mlp_supported(spec):
+        raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of {', '.join(TILED_MLP_FAMILIES)}; "
+                        f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
     if w.kernels and not fused_loss_supported(spec):
         raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))}; "
                         f"not {spec.model_type} ({spec.head})")
+
+
+def tiled_mlp_supported(spec: ModelSpec) -> bool:
+    return spec.model_type in TILED_MLP_FAMILIES and not spec.is_moe and spec.arch != "encoder-decoder"
 
 
 def fused_loss_supported(spec: ModelSpec) -> bool:
@@ -260,15 +272,16 @@ def _tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool, tp: int
     return (3 if grads_live else 2) * round_block(-(-spec.vocab_size // tp) * spec.hidden_size * grad_bytes)
 
 
-def _autocast_copies(groups: list[ParamGroup], tied: int, half: int = 2) -> tuple[int, int]:
-    """(all copies, head copies): half copies of the parameters that autocast casts for matmuls.
-    A tied LM head casts the embedding matrix (`tied` elements), so that copy exists too."""
+def _autocast_copies(groups: list[ParamGroup], tied: int, half: int = 2) -> tuple[int, int, int]:
+    """(all copies, head copies, MLP copies): half copies of the parameters that autocast casts for
+    matmuls. A tied LM head casts the embedding matrix (`tied` elements), so that copy exists too."""
     lin = tuple(g for g in groups if g.category in LINEAR_CATEGORIES)
     all_c = _rounded(lin, lambda g: g.numel * half)
     head_c = _rounded(tuple(g for g in lin if g.category == "head"), lambda g: g.numel * half)
+    mlp_c = _rounded(tuple(g for g in lin if g.category == "mlp"), lambda g: g.numel * half)
     all_c += round_block(tied * half)
     head_c += round_block(tied * half)
-    return all_c, head_c
+    return all_c, head_c, mlp_c
 
 
 def _head_grads(groups: list[ParamGroup], tied: int, grad_bytes: float) -> int:
@@ -359,6 +372,7 @@ class StageStates(NamedTuple):
     tied: int
     c_all: int
     c_head: int
+    c_mlp: int  # the MLPs' share of c_all
     head_grads: int
     persistent_segments: int
     n_params: int
@@ -408,9 +422,9 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
             comm = grads
         grads_persistent = False
         persistent = _persistent_tensors(spec, w, groups)
-    c_all, c_head = _autocast_copies(groups, tied) if prec.autocast else (0, 0)
+    c_all, c_head, c_mlp = _autocast_copies(groups, tied) if prec.autocast else (0, 0, 0)
     return StageStates(groups, weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
-                       c_all, c_head, _head_grads(groups, tied, prec.grad), _segments(persistent),
+                       c_all, c_head, c_mlp, _head_grads(groups, tied, prec.grad), _segments(persistent),
                        numel(groups), *stage_layers(spec, w.pp, stage))
 
 
@@ -433,12 +447,12 @@ class StageActs(NamedTuple):
 def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
     prec = _train_precision(w)
     # the activation model tells only eager from fused attention (SDPA and FlashAttention-2 save the same)
-    key = ("acts", mb, w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt, w.tp, w.sp, w.kernels)
+    key = ("acts", mb, w.seq_len, prec.name, w.attn == "eager", w.grad_ckpt, w.tp, w.sp, w.kernels, w.tiled_mlp)
 
     def make() -> StageActs:
         am = training_activations(spec, mb, w.seq_len, prec, w.attn,
                                   selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
-                                  sp=w.sp, fused_loss=w.kernels)
+                                  sp=w.sp, fused_loss=w.kernels, tiled_mlp=w.tiled_mlp)
         r = _rounded_tensors
         return StageActs(am, r(am.layer), r(am.decoder_layer), r(am.embed), r(am.head_saved),
                          r([t for t in am.head_saved if t.name.startswith("log_softmax")]), r(am.layer_input),
@@ -486,7 +500,11 @@ def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) ->
     acts = int(acts)
 
     c_all = st.c_all
-    c_bwd = (st.c_head + (c_all - st.c_head) // max(n_layers, 1)) if w.grad_ckpt == "full" else c_all
+    # The tiled MLP runs its forward without autograd, so no graph keeps the MLP weights' autocast copies:
+    # they go with autocast's cache when the forward ends, and its backward casts one layer's again.
+    c_mlp_layer = st.c_mlp // max(n_layers, 1) if w.tiled_mlp and w.grad_ckpt != "full" else 0
+    c_bwd = (st.c_head + (c_all - st.c_head) // max(n_layers, 1)) if w.grad_ckpt == "full" else (
+        c_all - (st.c_mlp if w.tiled_mlp else 0))
     grads_in_fwd = w.zero_grad == "zeros" or m > 1 or st.grads_persistent
     g_live = st.grads if grads_in_fwd else 0
     g_head = 0 if grads_in_fwd else st.head_grads
@@ -498,11 +516,11 @@ def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) ->
     phases = {
         "forward-loss": base + c_all + acts + loss_fwd,
         "backward-start": base + c_bwd + acts + loss_bwd,
-        "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + sa.layer_backward,
+        "backward-layer": base + c_bwd + acts - lsm + g_head + recompute + sa.layer_backward + c_mlp_layer,
         "optimizer-step": weights + grads + states + st.temp + comm,
     }
     transient = {"forward-loss": loss_fwd, "backward-start": loss_bwd,
-                 "backward-layer": recompute + sa.layer_backward, "optimizer-step": 0}
+                 "backward-layer": recompute + sa.layer_backward + c_mlp_layer, "optimizer-step": 0}
     tied_sum = _tied_grad_sum(spec, PRECISIONS[w.precision].grad, grads_in_fwd, w.tp) if (st.tied and not ds) else 0
     if tied_sum:
         phases["backward-end"] = weights + states + grads + comm + tied_sum

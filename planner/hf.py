@@ -227,14 +227,19 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
                 half_weights: bool = False):
     """The transformers model of `head` for this config, with random weights in the current device / mode.
 
-    attn: transformers' attn_implementation ("eager" or "sdpa"; memplan's flash runs as sdpa with the
-    flash kernel forced, which keeps the same tensors as FlashAttention-2)."""
+    attn: transformers' attn_implementation ("eager", "sdpa", or "memplan": memplan.kernels' tiled
+    attention; memplan's flash runs as sdpa with the flash kernel forced, which keeps the same tensors as
+    FlashAttention-2)."""
     import transformers
 
     cfg, head = prepare_config(config, head, trust_remote_code)
     cfg = copy.deepcopy(cfg)
     auto = getattr(transformers, HEADS[head])
-    impl = "eager" if attn == "eager" else "sdpa"
+    impl = attn if attn in ("eager", "memplan") else "sdpa"
+    if impl == "memplan":
+        from memplan.kernels import register
+
+        register()
     extra = {}
     if is_moe_config(cfg) and not half_weights:
         # transformers' default MoE path (torch._grouped_mm) takes bf16 weights only; fp32 weights

@@ -88,10 +88,10 @@ def _knob(knob: str, v) -> str:
         return _sharding_label(*v)
     return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
             "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}",
-            "kernels": f"fused loss {'on' if v else 'off'}"}[knob]
+            "kernels": f"fused loss {'on' if v else 'off'}", "tiled_mlp": f"tiled MLP {'on' if v else 'off'}"}[knob]
 
 
-WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn", "kernels")
+WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn", "kernels", "tiled_mlp")
 FIXED = WHY_KNOBS + ("precision", "optim")
 
 
@@ -102,7 +102,7 @@ def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
     shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
     searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
                 "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns,
-                "kernels": space.kernels}
+                "kernels": space.kernels, "tiled_mlp": space.tiled}
     out = []
     mine_all = tuple(_value(w, k) for k in FIXED)
     # each candidate's knob values once; a candidate counts for a knob when it differs from the best

@@ -35,7 +35,8 @@ def _workload_line(e: MemoryBreakdown) -> str:
         gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
         return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
     line = (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
-            f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}")
+            f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}"
+            + (", memplan's fused loss" if w.kernels else "") + (", memplan's tiled MLP" if w.tiled_mlp else ""))
     if w.world > 1 or w.zero:
         line += (f"\n{w.world} GPUs ({w.nodes} x {w.gpus}): dp {w.dp} x tp {w.tp}{' + SP' if w.sp else ''} x pp {w.pp}"
                  f"{f' (interleaved x{w.vpp})' if w.vpp > 1 else ''}, "
@@ -96,8 +97,9 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
             c.print(f"best: batch {best.micro_batch}, {best.precision}, attn {best.attn}; predicted peak "
                     f"{gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)}")
         else:
+            kern = "".join(f", {k}" for k, on in (("fused loss", best.kernels), ("tiled MLP", best.tiled_mlp)) if on)
             c.print(f"best: micro batch {best.micro_batch} x accumulation {best.grad_accum} = {best.global_batch}, "
-                    f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}; predicted "
+                    f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}{kern}; predicted "
                     f"peak {gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)} "
                     f"(at {best.estimate.peak_phase})")
         if multi:
@@ -148,9 +150,13 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
     cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
     if multi:
         cols += ("dp", "tp", "pp", "sharding", "offload")
+    kernels = train and any(p.kernels or p.tiled_mlp for p in plans)
+    if kernels:
+        cols += ("kernels",)
     t = Table(show_header=True, header_style="bold")
     for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
-        t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload") else "right")
+        t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload", "kernels")
+                     else "right")
     for i, p in enumerate(plans, 1):
         e = p.estimate
         knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
@@ -159,6 +165,8 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
             knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
                       p.fsdp if p.fsdp != "none" else f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP",
                       p.offload)
+        if kernels:
+            knobs += ("+".join(k for k, on in (("loss", p.kernels), ("mlp", p.tiled_mlp)) if on) or "-",)
         t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
                   f"{p.tokens_per_s:,.0f}")
     c.print(t)

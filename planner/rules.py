@@ -217,6 +217,11 @@ FUSED_LOSS_CHUNK_BYTES = 64 << 20
 # causal-LM families memplan.kernels.apply patches: model_type -> attribute of the base model
 FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
                        "gpt2": "transformer"}
+# families whose attention runs through transformers' AttentionInterface without logit soft-capping or a
+# position bias, so memplan.kernels' tiled attention can be their attn_implementation (kernels/attention.py)
+MEMPLAN_ATTN_FAMILIES = ("bert", "gemma", "gpt2", "llama", "mistral", "qwen2")
+# families whose layers memplan.kernels.apply gives the tiled MLP (kernels/patch.py): dense MLPs only
+TILED_MLP_FAMILIES = ("bert", "gemma", "gemma2", "gpt2", "llama", "mistral", "qwen2")
 
 
 def fused_loss_blocks(tokens: int, hidden: int, vocab: int, chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,

@@ -30,7 +30,7 @@ from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import (
-    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tp_problem,
+    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tiled_mlp_supported, tp_problem,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
@@ -38,7 +38,7 @@ from .rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
 from .workload import ADAM_OPTIMS, Workload, canonical_optim
 
 DEFAULT_GLOBAL_BATCH = 32
-ATTNS = ("flash", "sdpa", "eager")
+ATTNS = ("flash", "sdpa", "eager", "memplan")
 CKPTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "all")
 OBJECTIVES = ("throughput", "min-gpus", "headroom")
@@ -74,6 +74,7 @@ class Plan(BaseModel):
     nodes: int = 1
     fsdp: str = "none"  # an FSDP plan (accelerate) instead of DeepSpeed / DDP
     kernels: bool = False  # trains with memplan.kernels' fused loss (memplan.kernels.apply(model))
+    tiled_mlp: bool = False  # and with its tiled MLP (memplan.kernels.apply(model, mlp=True))
     fsdp_equivalent: str | None = None  # for a ZeRO plan: the FSDP sharding strategy that partitions alike
     step_seconds: float = 0.0
     step_terms: dict[str, float] = {}  # seconds per step by cost term (docs/cost-model.md)
@@ -221,6 +222,7 @@ class Space(NamedTuple):
     vpps: list[int]
     fsdps: list[str]
     kernels: list[bool]
+    tiled: list[bool]
 
 
 def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nodes: int, tp: int, pp: int,
@@ -231,9 +233,11 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
         shardings += [(0, f) for f in sp_.fsdps if f != "none" and (f != "hybrid-shard" or nodes > 1)]
     sps = sp_.sps if tp > 1 else [False]
     vpps = [v for v in sp_.vpps if v == 1 or spec.total_layers % (pp * v) == 0] if pp > 1 else [1]
-    kernel_opts = sp_.kernels if tp == 1 else [False]  # the fused loss is not tensor-parallel
-    for (zero, fsdp), offload, sp, vpp, prec, optim, ckpt, attn, fused in product(
-            shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns, kernel_opts):
+    kernel_opts = sp_.kernels if tp == 1 else [False]  # the fused loss and the tiled MLP are not tensor-parallel
+    tiled_opts = sp_.tiled if tp == 1 else [False]
+    for (zero, fsdp), offload, sp, vpp, prec, optim, ckpt, attn, fused, tiled in product(
+            shardings, sp_.offloads, sps, vpps, sp_.precisions, sp_.optims, sp_.ckpts, sp_.attns, kernel_opts,
+            tiled_opts):
         if (offload != "none" and zero == 0) or (offload == "all" and zero != 3) or (pp > 1 and zero > 1):
             continue  # offload is DeepSpeed's; DeepSpeed's pipeline engine refuses ZeRO-2/3
         if (zero or fsdp != "none") and optim not in ADAM_OPTIMS:
@@ -241,7 +245,7 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
         try:
             base = Workload(task=task, micro_batch=1, seq_len=seq, grad_accum=per_rank, precision=prec, optim=optim,
                             grad_ckpt=ckpt, attn=attn, gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                            zero=zero, offload=offload, fsdp=fsdp, kernels=fused, **common)
+                            zero=zero, offload=offload, fsdp=fsdp, kernels=fused, tiled_mlp=tiled, **common)
             check_hardware(gpu, base)
         except (ValidationError, UserError):
             continue
@@ -301,7 +305,7 @@ def _plan(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> Plan:
                 pp=w.pp, zero_stage=w.zero, precision=w.precision, optim=w.optim, grad_ckpt=w.grad_ckpt, attn=w.attn,
                 seq_len=w.seq_len, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
                 estimate=est, sp=w.sp, vpp=w.vpp, offload=w.offload, gpus=w.gpus, nodes=w.nodes, fsdp=w.fsdp,
-                kernels=w.kernels,
+                kernels=w.kernels, tiled_mlp=w.tiled_mlp,
                 fsdp_equivalent=(FSDP_EQUIVALENT[w.zero] if w.task == "train" and w.world > 1 and w.tp == w.pp == 1
                                  and w.fsdp == "none" else None),
                 step_seconds=st.total if st else 0.0, step_terms=terms)
@@ -330,7 +334,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
             grad_ckpt: str | None = None, attn: str | None = None, momentum: float = 0.0,
             headroom: float = 0.05, zero_grad: str = "set-to-none", top: int = 5, gpus: int = 1, nodes: int = 1,
             zero=None, offload: str | None = None, tp=None, pp=None, sp: str | None = None, vpp=None,
-            fsdp: str | None = None, kernels: bool | None = None,
+            fsdp: str | None = None, kernels: bool | None = None, tiled_mlp: bool | None = None,
             cpu_mem: int | None = None, net_gbs: float | None = None, objective: str = "throughput") -> Suggestion:
     t0 = time.perf_counter()
     if top < 1:
@@ -364,7 +368,9 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     else:
         optims = ["adamw_torch_fused"]
     ckpts = _parse_choice(grad_ckpt, CKPTS, list(CKPTS) if task == "train" else ["none"], "checkpointing")
-    attns = _parse_choice(attn, ATTNS, [a for a in supported_attn(spec) if a != "flash" or gpu.flash_attention],
+    # memplan's tiled attention saves what SDPA and FlashAttention-2 save: searched when asked (--attn)
+    attns = _parse_choice(attn, ATTNS, [a for a in supported_attn(spec) if (a != "flash" or gpu.flash_attention)
+                                        and a != "memplan"],
                           "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a))
     world = gpus * nodes
     train = task == "train"
@@ -382,6 +388,9 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         # logits weigh most there); over several GPUs when asked (--kernels), to keep the search fast
         kernels=[bool(kernels)] if kernels is not None else
         ([False, True] if train and world == 1 and fused_loss_supported(spec) else [False]),
+        # the tiled MLP likewise (it costs an MLP forward, so only where memory is short does it pay)
+        tiled=[bool(tiled_mlp)] if tiled_mlp is not None else
+        ([False, True] if train and world == 1 and tiled_mlp_supported(spec) else [False]),
     )
     common = dict(momentum=momentum, headroom=headroom, zero_grad=zero_grad, net_gbs=net_gbs)
     notes: list[str] = []
@@ -412,9 +421,15 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     plans = [_plan(spec, gpu, c) for c in distinct(found, top)]
     front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
     why = explain(found[0], found, space) if found else []
-    if found and found[0].base.kernels:
-        notes.append("the first plan trains with memplan's fused loss: call memplan.kernels.apply(model) before "
-                     "training (it keeps no batch x sequence x vocabulary logits)")
+    if found and (found[0].base.kernels or found[0].base.tiled_mlp):
+        # what the kernels buy: the best plan without them (found is ranked)
+        plain = next((c for c in found if not (c.base.kernels or c.base.tiled_mlp)), None)
+        best = found[0]
+        notes.append(kernels_note(best.base) + ("; without them nothing fits" if plain is None else
+                     f"; without them the best plan runs micro batch {plain.mb} at "
+                     f"{plain.tokens_per_s / best.tokens_per_s - 1:+.0%} tokens/s"))
+    elif found and found[0].base.attn == "memplan":
+        notes.append(kernels_note(found[0].base))
     if objective == "min-gpus" and found:
         notes.append(f"fewest GPUs that fit: {shown_world[0] * shown_world[1]} ({shown_world[1]} node(s) of "
                      f"{shown_world[0]})")
@@ -465,10 +480,22 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         searched |= {"zero": [str(x) for x in space.zeros], "offload": space.offloads}
     if len(space.kernels) > 1:
         searched["kernels"] = ["off", "on"]
+    if len(space.tiled) > 1:
+        searched["tiled_mlp"] = ["off", "on"]
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
                       nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
                       search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
                       alternatives=alternatives, notes=notes)
+
+
+def kernels_note(w: Workload) -> str:
+    """What the user's training script must call for a plan with memplan's kernels."""
+    parts = (["fused loss (no batch x sequence x vocabulary logits)"] if w.kernels else []) + (
+        ["tiled MLP (each layer keeps only its MLP input)"] if w.tiled_mlp else []) + (
+        ["tiled attention"] if w.attn == "memplan" else [])
+    return (f"the first plan trains with memplan's {' and '.join(parts)}: call "
+            f"memplan.kernels.apply(model, loss={w.kernels}, mlp={w.tiled_mlp}, attention={w.attn == 'memplan'}) "
+            "before training")
 
 
 def _plan_cpu(spec: ModelSpec, gpu: GPUProfile, c: Candidate) -> int:

@@ -69,7 +69,7 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     reps: list[Workload] = []  # one workload per distinct activation model
     rows = []
     for w in bases:
-        k = (w.precision, w.attn == "eager", w.grad_ckpt, w.sp, half_model(w), w.kernels)
+        k = (w.precision, w.attn == "eager", w.grad_ckpt, w.sp, half_model(w), w.kernels, w.tiled_mlp)
         if k not in keys:
             keys[k] = len(reps)
             reps.append(w)
@@ -106,8 +106,10 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     acts = np.where(full, acts_full, acts_rest).astype(np.int64)  # int() of a positive float truncates
     recompute = np.where(full, np.maximum(layer, dec), np.where(selective, sa_field("layer_core"), 0))
 
-    c_all, c_head = st_field("c_all"), st_field("c_head")
-    c_bwd = np.where(full, c_head + (c_all - c_head) // max(n_layers, 1), c_all)
+    c_all, c_head, c_mlp = st_field("c_all"), st_field("c_head"), st_field("c_mlp")
+    tiled = _col([w.tiled_mlp for w in bases]).astype(bool)
+    c_bwd = np.where(full, c_head + (c_all - c_head) // max(n_layers, 1), c_all - np.where(tiled, c_mlp, 0))
+    c_mlp_layer = np.where(tiled & ~full, c_mlp // max(n_layers, 1), 0)
     zeros = _col([w.zero_grad == "zeros" for w in bases]).astype(bool)
     grads_in_fwd = zeros | acc[None, :] | st_field("grads_persistent").astype(bool)
     grads = st_field("grads")
@@ -115,7 +117,7 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     g_head = np.where(grads_in_fwd, 0, st_field("head_grads"))
     loss_fwd = sa_field("loss_forward") if last else 0
     loss_bwd = sa_field("loss_backward") if last else 0
-    layer_bwd = sa_field("layer_backward")
+    layer_bwd = sa_field("layer_backward") + c_mlp_layer
 
     weights, states, comm, gathered, temp = (st_field(f) for f in ("weights", "states", "comm", "gathered", "temp"))
     base = weights + states + g_live + comm + gathered
@@ -142,8 +144,8 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
 
 # -- the activation models over the micro batches ------------------------------------------------------
 # Every activation term is affine in the micro batch b: activations.py builds each from T = b*s, b*a*s*s,
-# b*s*E ..., and a few are shared by the batch (T5's position bias), except the fused loss's blocks,
-# whose sizes depend on the token count. So the models at b = 1 and b = 2, before tensor-parallel
+# b*s*E ..., and a few are shared by the batch (T5's position bias), except the blocks of memplan's
+# kernels (the fused loss, the tiled MLP), whose sizes depend on the token count. So the models at b = 1 and b = 2, before tensor-parallel
 # sharding, give every micro batch's tensors as (c + mb * x) / tp, the same float the scalar path
 # computes as bytes(mb) / tp (tests/test_table.py checks this over the catalog); the allocator's
 # rounding is then applied per tensor, for all the distinct activation models of a layout and all micro
@@ -219,7 +221,7 @@ def _act_sums(spec: ModelSpec, reps: list[Workload], u: _Units, mbs: np.ndarray)
     n = _round_block((u.c[:, None, :] + mbs[None, :, None] * u.x[:, None, :]) / u.rep[:, None, :])  # (R, K, T)
     sums = np.einsum("rkt,rtf->rkf", n * u.count[:, None, :], u.member)
     for r, w in enumerate(reps):
-        if w.kernels:  # the fused loss's blocks are not linear in b: the scalar path, one model per micro batch
+        if w.kernels or w.tiled_mlp:  # blocks sized by the token count: the scalar path, one model per micro batch
             sums[r] = np.array([_stage_acts(spec, w, int(mb))[1:] for mb in mbs], dtype=np.int64)
     return sums
 
@@ -252,7 +254,7 @@ def _segments(spec: ModelSpec, reps: list[Workload], u: _Units, stage: int, r: n
     mid = np.where(mid_m, -(-count // per_seg) * ALLOC_LARGE_BUFFER, 0).sum(axis=1)
     large = np.where(large_m, -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE * count, 0).sum(axis=1)
     out = -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid + large
-    for j in np.nonzero(np.array([w.kernels for w in reps])[r])[0].tolist():  # not linear in b: scalar
+    for j in np.nonzero(np.array([w.kernels or w.tiled_mlp for w in reps])[r])[0].tolist():  # not affine: scalar
         w = reps[r[j]]
         am = _stage_acts(spec, w, int(mb[j])).am
         out[j] = _act_segments(spec, w, stage, am, int(copies[j]), PHASES[moment[j]])
@@ -325,7 +327,7 @@ def step_terms(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.n
     width = spec.hidden_size / w0.tp
     eff = C.PEAK_EFFICIENCY * tokens / (tokens + C.TOKENS_HALF) * width / (width + C.HIDDEN_HALF)
     bw = gpu.memory_bandwidth_gbs * 1e9
-    hw_f = _col_f([C.flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels)[1] for w in bases])
+    hw_f = _col_f([C.flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)[1] for w in bases])
     dp = w0.dp
     compute_micro = hw_f * tokens / (w0.tp * w0.pp) / (peak * 1e12 * eff)
     micro = compute_micro + C.ACTIVATION_TRAFFIC * saved / bw

@@ -125,10 +125,10 @@ def prepare_model(model, w: Workload) -> None:
             enable_selective(model)
         except ValueError as e:
             raise UserError(f"--grad-ckpt selective: {e}") from None
-    if w.kernels:  # the fused loss, as the user's training script applies it
+    if w.kernels or w.tiled_mlp:  # memplan's kernels, as the user's training script applies them
         from memplan.kernels import apply
 
-        apply(model)
+        apply(model, loss=w.kernels, mlp=w.tiled_mlp)
     model.train()
 
 

@@ -12,7 +12,7 @@ from .rules import INFER_PRECISIONS, OPTIM_ALIASES, OPTIMIZERS, TRAIN_PRECISIONS
 ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # transformers' attn_implementation names -> memplan's
 ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
-                "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash"}
+                "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash", "memplan": "memplan"}
 
 
 def canonical_optim(name: str) -> str:
@@ -35,7 +35,8 @@ class Workload(BaseModel):
     momentum: float = Field(0.0, ge=0.0)  # SGD / RMSprop momentum from the optimizer arguments
     # selective: Megatron-style, recompute only the attention core (Korthikanti et al. 2022)
     grad_ckpt: Literal["none", "selective", "full"] = "none"
-    attn: Literal["eager", "sdpa", "flash"] = "sdpa"
+    # memplan: memplan.kernels' tiled attention (attn_implementation "memplan", docs/kernels.md)
+    attn: Literal["eager", "sdpa", "flash", "memplan"] = "sdpa"
     max_new_tokens: int = Field(0, ge=0)
     beams: int = Field(1, ge=1)
     # torch >= 2.0 optimizer.zero_grad() and HF Trainer's model.zero_grad() free the grads
@@ -56,6 +57,9 @@ class Workload(BaseModel):
     fsdp: Literal["none", "full-shard", "shard-grad-op", "hybrid-shard"] = "none"
     # memplan.kernels' fused linear + cross-entropy (memplan.kernels.apply(model)): no b*s*V logits
     kernels: bool = False
+    # memplan.kernels' tiled MLP (apply(model, mlp=True)): each layer's MLP over chunks of tokens, recomputed
+    # in backward, so a layer keeps only the MLP's input (docs/kernels.md)
+    tiled_mlp: bool = False
     net_gbs: float | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
 
     @field_validator("attn", mode="before")
@@ -63,7 +67,7 @@ class Workload(BaseModel):
     def _attn(cls, v: str) -> str:
         key = str(v).strip().lower()
         if key not in ATTN_ALIASES:
-            raise ValueError(f"unknown attention {v!r} (eager, sdpa, flash / flash_attention_2)")
+            raise ValueError(f"unknown attention {v!r} (eager, sdpa, flash / flash_attention_2, memplan)")
         return ATTN_ALIASES[key]
 
     @field_validator("optim", mode="before")
@@ -119,6 +123,8 @@ class Workload(BaseModel):
                 raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
         if self.kernels and (self.task == "infer" or self.tp > 1):
             raise ValueError("--kernels (the fused loss) is for training without tensor parallelism")
+        if self.tiled_mlp and (self.task == "infer" or self.tp > 1):
+            raise ValueError("--tiled-mlp is for training without tensor parallelism")
         if self.zero and self.task == "infer":
             raise ValueError("--zero applies to training")
         if (self.pp > 1 or self.tp > 1) and self.task == "infer":

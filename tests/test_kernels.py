@@ -15,24 +15,9 @@ import memplan.kernels.cross_entropy as lce
 from memplan.kernels import linear_cross_entropy
 from memplan.kernels.cross_entropy import reference
 
-
-def run(fn, h, w, t, g=None, **kw):
-    h = h.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
-    out = fn(h, w, t, **kw)
-    g = torch.ones_like(out) if g is None else g
-    gh, gw = torch.autograd.grad(out, (h, w), g)
-    return out.detach(), gh, gw
+from lce_data import data, run  # tests/lce_data.py
 
 
-def data(n, hid, vocab, dtype, seed=0, ignore_every=5):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hid, generator=gen).to(dtype)
-    w = (torch.randn(vocab, hid, generator=gen) * hid ** -0.5).to(dtype)
-    t = torch.randint(0, vocab, (n,), generator=gen)
-    if ignore_every:
-        t[::ignore_every] = -100
-    return h, w, t
 
 
 @pytest.fixture()
@@ -245,3 +230,49 @@ def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
     assert abs(allocated.error_pct) <= 5, allocated
     plain = memplan.estimate(model, "a100-80g", micro_batch=mb, seq_len=seq, attn="sdpa", **kw)
     assert allocated.predicted_bytes < plain.peak_allocated_bytes
+
+
+def test_estimate_with_all_of_memplans_kernels_agrees_with_the_trace():
+    """--attn memplan --kernels --tiled-mlp on a Qwen2 (GQA): the tiled attention keeps what SDPA keeps;
+    the kernels see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once."""
+    from memplan.verify import run
+
+    r = run(model="qwen2.5-0.5b", gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
+            precision="bf16", kernels=True, tiled_mlp=True)
+    assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
+
+
+def test_suggest_turns_the_tiled_mlp_on_where_it_fits_more_and_says_so():
+    s = memplan.suggest("qwen2.5-0.5b", "a10g-24g", seq_len=8192, global_batch=16, top=1)
+    assert s.searched["tiled_mlp"] == ["off", "on"]
+    best = s.plans[0]
+    assert best.kernels and best.tiled_mlp
+    note = next(n for n in s.notes if "memplan.kernels.apply(model, loss=True, mlp=True" in n)
+    assert "without them" in note
+    off = memplan.suggest("qwen2.5-0.5b", "a10g-24g", seq_len=8192, global_batch=16, top=1, tiled_mlp=False)
+    assert not off.plans or off.plans[0].samples_per_s <= best.samples_per_s  # a larger space ranks no worse
+
+
+def test_tiled_attention_refuses_attention_dropout_and_unsupported_families():
+    from memplan.errors import UserError
+
+    with pytest.raises(UserError, match="no attention dropout"):
+        memplan.estimate("gpt2", "a100-80g", attn="memplan")  # GPT-2's attn_pdrop is 0.1
+    with pytest.raises(UserError, match="choose from flash, eager"):
+        memplan.estimate("gemma2-2b", "a100-80g", attn="memplan")  # logit soft-capping
+    with pytest.raises(UserError, match="tiles the dense MLPs"):
+        memplan.estimate("mixtral-8x7b", "a100-80g", tiled_mlp=True)
+
+
+def test_cli_takes_the_kernel_flags():
+    import json
+
+    from click.testing import CliRunner
+
+    from memplan.cli import cli
+
+    r = CliRunner().invoke(cli, ["estimate", "--model", "qwen2.5-0.5b", "--gpu", "a100-80g", "--precision", "bf16",
+                                  "--seq-len", "4096", "--attn", "memplan", "--kernels", "--tiled-mlp", "--json"])
+    assert r.exit_code == 0, r.output
+    w = json.loads(r.output)["workload"]
+    assert (w["attn"], w["kernels"], w["tiled_mlp"]) == ("memplan", True, True)

@@ -202,7 +202,8 @@ def test_more_gpus_never_make_a_fitting_plan_stop_fitting(model, gpu, gpus, seq)
             continue
         e = memplan.estimate(model, gpu, seq_len=seq, micro_batch=p.micro_batch, grad_accum=p.grad_accum // 2,
                              precision=p.precision, optim=p.optim, grad_ckpt=p.grad_ckpt, attn=p.attn,
-                             gpus=2 * gpus, tp=p.tp, pp=p.pp, zero=p.zero_stage, fsdp=p.fsdp, kernels=p.kernels)
+                             gpus=2 * gpus, tp=p.tp, pp=p.pp, zero=p.zero_stage, fsdp=p.fsdp, kernels=p.kernels,
+                             tiled_mlp=p.tiled_mlp)
         assert e.fits and e.device_used_bytes <= p.estimate.device_used_bytes
 
 

@@ -13,7 +13,7 @@ KNOBS = st.fixed_dictionaries({
     "offload": st.sampled_from(["none", "optimizer", "all"]), "precision": st.sampled_from(["fp32", "bf16", "bf16-pure"]),
     "grad_ckpt": st.sampled_from(["none", "selective", "full"]), "attn": st.sampled_from(["sdpa", "eager"]),
     "sp": st.booleans(), "vpp": st.sampled_from([1, 2]), "zero_grad": st.sampled_from(["set-to-none", "zeros"]),
-    "kernels": st.booleans(),
+    "kernels": st.booleans(), "tiled_mlp": st.booleans(),
 })
 
 
@@ -33,7 +33,8 @@ def test_table_equals_the_scalar_estimate(model, layout, gpu, knobs):
         k = dict(k, fsdp=k["fsdp"] if k["zero"] == 0 and tp == pp == 1 else "none",
                  offload=k["offload"] if k["zero"] and (k["offload"] != "all" or k["zero"] == 3) else "none",
                  zero=k["zero"] if pp == 1 else min(k["zero"], 1), sp=k["sp"] and tp > 1,
-                 vpp=k["vpp"] if pp > 1 else 1, kernels=k["kernels"] and tp == 1)
+                 vpp=k["vpp"] if pp > 1 else 1, kernels=k["kernels"] and tp == 1,
+                 tiled_mlp=k["tiled_mlp"] and tp == 1)
         if k["zero"] == 0 and k["offload"] != "none":
             k["offload"] = "none"
         try:

@@ -22,6 +22,8 @@ import memplan.kernels.cross_entropy as lce  # noqa: E402
 import memplan.kernels.triton_cross_entropy as tce  # noqa: E402
 from memplan.kernels import linear_cross_entropy  # noqa: E402
 from memplan.kernels.cross_entropy import reference  # noqa: E402
+import lce_data  # noqa: E402  (tests/lce_data.py)
+from lce_data import run  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_kernels = pytest.mark.skipif(DEVICE == "cpu" and not tce.INTERPRETED,
@@ -40,23 +42,8 @@ def with_tiles(tiles):
     return fn
 
 
-def run(fn, h, w, t, g=None, **kw):
-    h = h.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
-    out = fn(h, w, t, **kw)
-    g = torch.ones_like(out) if g is None else g
-    gh, gw = torch.autograd.grad(out, (h, w), g)
-    return out.detach(), gh, gw
-
-
 def data(n, hid, vocab, dtype, seed=0, ignore_every=5):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hid, generator=gen).to(dtype)
-    w = (torch.randn(vocab, hid, generator=gen) * hid ** -0.5).to(dtype)
-    t = torch.randint(0, vocab, (n,), generator=gen)
-    if ignore_every:
-        t[::ignore_every] = -100
-    return h.to(DEVICE), w.to(DEVICE), t.to(DEVICE)
+    return tuple(x.to(DEVICE) for x in lce_data.data(n, hid, vocab, dtype, seed, ignore_every))
 
 
 def assert_fp32_close(a, b):
