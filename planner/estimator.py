@@ -21,8 +21,9 @@ from .modelspec import ModelSpec, ParamGroup
 from .parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
-    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, OPTIMIZERS,
-    MEMPLAN_ATTN_FAMILIES, PRECISIONS, TILED_MLP_FAMILIES, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES,
+    MEMPLAN_ATTN_FAMILIES, OPTIMIZERS, PRECISIONS, TILED_MLP_FAMILIES, WEIGHT_FORMATS, optimizer_state_bytes,
+    round_block, round_segment,
 )
 from .workload import Workload
 
@@ -126,7 +127,8 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
     if w.pp > spec.total_layers:
         raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
     if w.tiled_mlp and not tiled_mlp_supported(spec):
-        raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of {', '.join(TILED_MLP_FAMILIES)}; "
+        raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
+                        f"{', '.join(TILED_MLP_FAMILIES)}; "
                         f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
     if w.kernels and not fused_loss_supported(spec):
         raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))}; "

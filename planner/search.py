@@ -30,7 +30,8 @@ from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import (
-    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tiled_mlp_supported, tp_problem,
+    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tiled_mlp_supported,
+    tp_problem,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
