@@ -101,9 +101,32 @@ def _tile_mlps(model: torch.nn.Module, model_type: str, chunk: int | None) -> li
                 setattr(m, _FFN, _tiled_feed_forward(m, chunk))
                 out.append(m)
         elif type(m).__name__.endswith("MLP") and not type(m).__name__.endswith("SparseMoeBlock"):
-            patch_mlp(m, chunk)
+            act = _gated_act_name(m)
+            if act is not None:  # a gated MLP: act(gate) * up through gated_act (Triton on CUDA)
+                m.forward = _gated_forward(m, act)
+            patch_mlp(m, chunk)  # keeps m.forward (the gated one) as the tiled MLP's fn; unpatch drops both
             out.append(m)
     return out
+
+
+# the activation modules of transformers' gated MLPs (ACT2FN's classes) -> gated_act's name; others
+# (NewGELU, exact GELU, ...) keep the module's own forward
+GATED_ACTS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
+
+
+def _gated_act_name(mlp: torch.nn.Module) -> str | None:
+    """gated_act's name for this MLP's activation, if it is a gate / up / down MLP gated_act can run."""
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return None
+    return GATED_ACTS.get(type(mlp.act_fn).__name__)
+
+
+def _gated_forward(mlp: torch.nn.Module, act: str):
+    from .mlp import gated_act
+
+    def forward(x):
+        return mlp.down_proj(gated_act(mlp.gate_proj(x), mlp.up_proj(x), act))
+    return forward
 
 
 def _tiled_feed_forward(layer: torch.nn.Module, chunk: int | None):

@@ -31,6 +31,8 @@ PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_p
 # Norms inside the region memplan.kernels' tiled MLP recomputes: BERT's feed_forward_chunk ends with
 # BertOutput's LayerNorm (the residual add and norm after the second dense).
 TILED_MLP_NORMS = {"bert": 1}
+# Activations of gated MLPs that memplan.kernels.apply runs through gated_act (kernels/patch.py GATED_ACTS)
+GATED_ACT_KERNEL = {"silu", "swish", "gelu_pytorch_tanh"}
 # The query is a view of the fused QKV output (no rotary embedding makes a new tensor): GPT-2.
 QUERY_VIEWS_FUSED_QKV = {"gpt2"}
 
@@ -238,8 +240,14 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
     gradients (kernels/mlp.py, TiledMLP.backward)."""
     h, f, p = spec.hidden_size, spec.intermediate_size, prec.act
     c = min(T, tiled_mlp_chunk(spec))
-    out = _mlp_block(spec, c, prec) + [Tensors("tiled mlp: chunk output", p * h * c),
-                                       Tensors("mlp grad buffers (one chunk)", p * f * c, 2)]
+    if spec.mlp == "gated" and spec.activation in GATED_ACT_KERNEL:
+        # apply() runs act(gate) * up through memplan.kernels.gated_act, which saves gate and up only
+        n_up = UP_LINEARS_GATED.get(spec.model_type, 2)
+        chunk = _linear_inputs(n_up, h, c, prec, "mlp input") + [Tensors("gate, up (gated_act inputs)", p * f * c, 2),
+                                                                  Tensors("gate*up (down input)", p * f * c)]
+    else:
+        chunk = _mlp_block(spec, c, prec)
+    out = chunk + [Tensors("tiled mlp: chunk output", p * h * c), Tensors("mlp grad buffers (one chunk)", p * f * c, 2)]
     if T > c:
         mlp_params = (3 if spec.mlp == "gated" else 2) * h * f
         out += [Tensors("tiled mlp: input gradient", prec.residual * h * T, rep=True),

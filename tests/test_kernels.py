@@ -111,10 +111,14 @@ TINY = {
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
-def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks):
+def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memplan.kernels import apply, revert
+    from memplan.kernels import applied, apply, revert
+    from memplan.kernels.mlp import GatedAct
+
+    gated = []  # the gated MLPs (llama SwiGLU, gemma2 GeGLU) run act(gate) * up through gated_act
+    monkeypatch.setattr(GatedAct, "apply", lambda *a, f=GatedAct.apply: gated.append(a[2]) or f(*a))
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY[family])).eval()
@@ -129,7 +133,8 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks):
 
     base, base_g = loss_and_grads()
     base_n, base_ng = loss_and_grads(num_items_in_batch=40)
-    apply(model)
+    apply(model, mlp_chunk=7)  # 32 tokens in 5 chunks
+    assert applied(model) == {"loss": True, "mlp": 2, "attention": False}
     out = model(input_ids=x, labels=labels)
     assert out.logits is None  # no b x s x V tensor
     fused, fused_g = loss_and_grads()
@@ -140,7 +145,10 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert model(input_ids=x).logits.shape == (2, 16, 97)  # inference is the original forward
+    assert set(gated) == ({"gpt2": set(), "llama": {"silu"}, "gemma2": {"gelu_tanh"}}[family])
     revert(model)
+    assert applied(model)["mlp"] == 0 and "forward" not in vars(model.model.layers[0].mlp if family != "gpt2"
+                                                                 else model.transformer.h[0].mlp)
     torch.testing.assert_close(model(input_ids=x, labels=labels).loss.detach(), base)
 
 
