@@ -7,7 +7,11 @@ Cases (CASES: name -> (setup, {implementation: step})); the first implementation
 are set beside:
 - linear_cross_entropy: the loss head in bf16, memplan's Triton kernels, the tiled PyTorch path and
   eager (`reference`: whole logits, fp32 up-cast, torch's cross_entropy, as transformers'
-  ForCausalLMLoss). Autotuning runs in a warm-up step before timing.
+  ForCausalLMLoss).
+- attention: causal attention, b=1, 32 query heads / 8 KV heads, d=128, `--tokens` positions, bf16:
+  memplan's Triton kernels, torch SDPA (enable_gqa; flash on sm80+), the tiled PyTorch path and eager.
+- gated_act: act(gate) * up (SiLU) over `--tokens` x 14336 bf16, Triton vs eager.
+Autotuning runs in a warm-up step before timing.
 
 Without CUDA it exits with status 2.
 """
@@ -22,7 +26,10 @@ import torch
 
 from cli_suggest import machine, save  # same folder: run as python benchmarks/kernel_speed.py
 from memplan.kernels import linear_cross_entropy
+from memplan.kernels.attention import attention
+from memplan.kernels.attention import reference as attention_reference
 from memplan.kernels.cross_entropy import reference
+from memplan.kernels.mlp import gated_act, reference_gated
 
 
 def fwd_bwd(loss_fn):
@@ -41,11 +48,46 @@ def loss_setup(args):
     return h, w.requires_grad_(), t
 
 
+def grads_of(fn):
+    """One training step of any kernel: forward, then the gradients of every input that requires one."""
+    def step(*xs):
+        out = fn(*xs)
+        torch.autograd.grad(out, [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad], torch.ones_like(out))
+    return step
+
+
+def attention_setup(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, heads, args.tokens, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+               for heads in (32, 8, 8))
+    return q, k, v
+
+
+def gated_setup(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return tuple(torch.randn(args.tokens, 14336, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+                 for _ in range(2))
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 CASES = {
     "linear_cross_entropy": (loss_setup, {
         "triton": fwd_bwd(functools.partial(linear_cross_entropy, backend="triton")),
         "torch (tiled)": fwd_bwd(functools.partial(linear_cross_entropy, backend="torch")),
         "eager": fwd_bwd(reference),
+    }),
+    "attention": (attention_setup, {
+        "triton": grads_of(functools.partial(attention, causal=True, backend="triton")),
+        "sdpa": grads_of(_sdpa),
+        "torch (tiled)": grads_of(functools.partial(attention, causal=True, backend="torch")),
+        "eager": grads_of(functools.partial(attention_reference, causal=True)),
+    }),
+    "gated_act": (gated_setup, {
+        "triton": grads_of(functools.partial(gated_act, backend="triton")),
+        "eager": grads_of(reference_gated),
     }),
 }
 
