@@ -279,7 +279,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
         t = table.evaluate(spec, gpu, bases, mbs, per_rank)
         ms = np.asarray([per_rank // mb for mb in mbs])
         # the interleaved schedule needs the micro batches to be a multiple of the stages
-        valid = np.asarray([[w.vpp == 1 or m % pp == 0 for m in ms] for w in bases])
+        valid = np.asarray([w.vpp == 1 for w in bases])[:, None] | (ms % pp == 0)[None, :]
         n += int(valid.sum())
         fits = valid & (t.device_used <= usable)
         if cpu_mem is not None:

@@ -60,9 +60,12 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     numeric = np.array([[s[0][1:], s[1][1:]] for s in sts], dtype=np.int64)
     position = {name: i - 1 for i, name in enumerate(StageStates._fields)}
 
+    # (B, K, F): each cell's states, with accumulation where the cell accumulates (one numpy call, not one
+    # per field)
+    cells = np.where(acc[None, :, None], numeric[:, None, 1, :], numeric[:, None, 0, :])
+
     def st_field(name: str) -> np.ndarray:
-        col = numeric[:, :, position[name]]
-        return np.where(acc[None, :], col[:, 1:2], col[:, 0:1])
+        return cells[:, :, position[name]]
 
     # activation sums per (distinct activation key, micro batch), gathered to rows
     keys: dict = {}
