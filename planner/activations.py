@@ -322,8 +322,9 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
     """memplan.kernels.linear_cross_entropy (docs/kernels.md): it saves the final hidden states (the
     lm_head input) and one log-sum-exp per token; forward holds one token chunk
     of logits (half, its fp32 up-cast, logsumexp's fp32 working copy) and the per-token losses;
-    backward holds the fp32 hidden-state gradient sum, one vocabulary block's fp32 weight-gradient sum,
-    one block of logits (half and fp32) with its softmax, and the fp32 copy of the token block."""
+    backward holds the head weight's gradient (allocated before the blocks are summed into it), the fp32
+    hidden-state gradient sum, one vocabulary block's fp32 weight-gradient sum, one block of logits (half
+    and fp32) with its softmax, and the fp32 copy of the token block."""
     h, V, p = spec.hidden_size, spec.vocab_size, prec.act
     chunk, vblock, tblock = fused_loss_blocks(T, h, V)
     # under autocast the kernel takes half copies of the hidden states and of the head's weight (the
@@ -334,7 +335,8 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
     fwd = [Tensors("fused loss: logits chunk (half)", p * chunk * V),
            Tensors("fused loss: logits chunk (fp32) and logsumexp's working copy", 4 * chunk * V, 2),
            Tensors("fused loss: per-token losses", 4 * T)]
-    bwd = [Tensors("fused loss: hidden-state gradient sum (fp32)", 4 * T * h),
+    bwd = [Tensors("fused loss: weight gradient (allocated first, in the weight's compute dtype)", p * V * h),
+           Tensors("fused loss: hidden-state gradient sum (fp32)", 4 * T * h),
            Tensors("fused loss: weight-gradient block sum (fp32)", 4 * vblock * h),
            Tensors("fused loss: logits block (half)", p * tblock * vblock),
            Tensors("fused loss: logits block (fp32) and its softmax", 4 * tblock * vblock, 2),

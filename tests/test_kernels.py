@@ -200,14 +200,14 @@ def test_unsupported_models_get_a_clear_message():
 @pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-pure"), dict(precision="bf16"),
                                 dict(precision="bf16", grad_ckpt="full"), dict(precision="bf16", tiled_mlp=True)])
 def test_estimate_with_the_fused_loss_agrees_with_the_trace(kw):
-    """`--kernels`: the estimate against the fake-tensor trace of the patched model (within the accuracy
-    suite's 5 %), and far below the same plan without the fused loss."""
+    """`--kernels`: the estimate against the fake-tensor trace of the patched model (within 2 %; the
+    accuracy suite's bound is 5 %), and far below the same plan without the fused loss."""
     from memplan.verify import run
 
     r = run(model="gpt2", gpu="a100-80g", device="fake", steps=2, micro_batch=4, seq_len=512, attn="sdpa",
             kernels=True, **kw)
     allocated = r.meters[0]
-    assert abs(allocated.error_pct) <= 5, allocated
+    assert abs(allocated.error_pct) <= 2, allocated
     plain = memplan.estimate("gpt2", "a100-80g", micro_batch=4, seq_len=512, attn="sdpa", **kw)
     assert allocated.predicted_bytes < plain.peak_allocated_bytes
 
