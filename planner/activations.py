@@ -28,6 +28,9 @@ UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have
 NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
 MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
 PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
+# Masked LMs whose forward calls CrossEntropyLoss on the logits without an fp32 up-cast (transformers 5.23
+# modeling_bert / modeling_roberta / modeling_deberta_v2); ForMaskedLMLoss (ModernBERT) up-casts.
+MLM_RAW_LOGITS_LOSS = {"bert", "roberta", "deberta-v2", "deberta_v2"}
 # Norms inside the region memplan.kernels' tiled MLP recomputes: BERT's feed_forward_chunk ends with
 # BertOutput's LayerNorm (the residual add and norm after the second dense).
 TILED_MLP_NORMS = {"bert": 1}
@@ -303,14 +306,18 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         saved += _linear_inputs(1, h, T, prec, "lm_head input")
         # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
         # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
-        saved.append(Tensors("log_softmax output (fp32)", 4 * T * V))
+        # BERT-style masked LMs call CrossEntropyLoss on the logits as they are: fp32 under autocast
+        # (log_softmax is on its fp32 list), but half in a pure half model (traced).
+        raw = spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS and not prec.autocast
+        lp = p if raw else 4
+        saved.append(Tensors("log_softmax output", lp * T * V))
         fwd = [Tensors("logits", p * T * V)]
-        if p != 4:
+        if p != lp:
             fwd.append(Tensors("logits fp32 up-cast", 4 * T * V))
         # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 while the saved log_softmax
         # output is still alive: the peak of the loss backward (traced). The cast of the gradient back
         # to half comes after dL/dlogp and the saved output are freed, so it never adds to this peak.
-        bwd = [Tensors("loss grad buffers (fp32)", 4 * T * V, 2)]
+        bwd = [Tensors("loss grad buffers", lp * T * V, 2)]
         return saved, fwd, bwd
     # classification heads read one token (pooler / CLS) or all tokens for token classification
     n_tok = T if spec.head == "token-classification" else b
