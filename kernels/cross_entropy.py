@@ -9,6 +9,10 @@ in fp32 over all tokens in place (`addmm_`) and cast once; the hidden-state grad
 over the blocks. Peak extra memory: one block of fp32 logits and its gradient (about 64 MiB each), one
 block's fp32 weight-gradient sum, the fp32 hidden-state gradient (N x H x 4) and the log-sum-exp.
 
+An optional LM-head bias (V,) (BERT's masked-LM decoder) is added to each fp32 logits block before the
+soft-capping; its gradient, d summed over the tokens, is summed in fp32 per vocabulary block next to the
+weight's and cast once (one block-sized fp32 vector, never a V-sized one).
+
 This is the tiled PyTorch path (CPU, and the fallback on GPU). On CUDA, `linear_cross_entropy` runs the
 Triton kernels of kernels/triton_cross_entropy.py instead (backend="auto"), imported only then: triton may
 be missing (it is Linux-only). `reference` is the plain computation the tests hold both to.
@@ -40,10 +44,11 @@ def _denominator(targets: torch.Tensor, ignore_index: int, reduction: str, num_i
     return (targets != ignore_index).sum().to(torch.float32)
 
 
-def finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction, num_items_in_batch):
-    """The reduction of the per-token losses, with what backward needs saved (both backends)."""
+def finish_forward(ctx, per_token, lse, hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch):
+    """The reduction of the per-token losses, with what backward needs saved (both backends): hidden,
+    weight, bias (None when there is none), targets, lse, denom, in that order."""
     denom = _denominator(targets, ignore_index, reduction, num_items_in_batch)
-    ctx.save_for_backward(hidden, weight, targets, lse, denom)
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, denom)
     if reduction == "none":
         return per_token
     total = per_token.sum()
@@ -59,9 +64,13 @@ def token_grads(grad_out: torch.Tensor, denom: torch.Tensor, targets: torch.Tens
     return torch.where(targets != ignore_index, g, 0.0)
 
 
-def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, softcap: float | None):
-    """fp32 logits of one chunk (and tanh of the soft-capped ones, for the backward)."""
+def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, softcap: float | None, bias: torch.Tensor | None = None):
+    """fp32 logits of one chunk (and tanh of the soft-capped ones, for the backward). `bias`: the
+    matching slice of the LM head's bias, added in fp32 after the up-cast (as the Triton kernels add it to
+    their fp32 accumulator) and before the soft-capping, which applies to the whole logit."""
     z = (hidden_chunk @ weight.T).float()
+    if bias is not None:
+        z += bias.float()
     if softcap is None:
         return z, None
     th = torch.tanh(z / softcap)
@@ -70,13 +79,13 @@ def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, softcap: float | N
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk, softcap, num_items_in_batch):
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk, softcap, num_items_in_batch, bias=None):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         per_token = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logits, _ = _logits(hidden[s:e], weight, softcap)
+            logits, _ = _logits(hidden[s:e], weight, softcap, bias)
             lse_c = torch.logsumexp(logits, dim=-1)
             t = targets[s:e]
             valid = t != ignore_index
@@ -85,30 +94,35 @@ class LinearCrossEntropy(torch.autograd.Function):
             lse[s:e] = lse_c
             del logits
         ctx.cfg = (ignore_index, reduction, chunk, softcap)
-        return finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction,
+        return finish_forward(ctx, per_token, lse, hidden, weight, bias, targets, ignore_index, reduction,
                               num_items_in_batch)
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse, denom = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, denom = ctx.saved_tensors
         ignore_index, reduction, chunk, softcap = ctx.cfg
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[8]
         # per-token loss gradient: the reduction's scale, or the caller's per-token gradient
         g_tok = token_grads(grad_out, denom, targets, ignore_index, reduction)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_weight = torch.empty_like(weight) if need_w else None
+        grad_bias = torch.empty_like(bias) if need_b else None
         # vocabulary blocks outside, token chunks inside: each block of the weight gradient is summed in
         # fp32 over all tokens, then cast once (no V x H fp32 buffer)
         _, vchunk, tchunk = fused_loss_blocks(n, weight.shape[1], vocab, CHUNK_BYTES, chunk)
         for v0 in range(0, vocab, vchunk):
             v1 = min(v0 + vchunk, vocab)
             w = weight[v0:v1]
+            b = bias[v0:v1] if bias is not None else None
             acc = torch.zeros((v1 - v0, weight.shape[1]), dtype=torch.float32, device=weight.device) if need_w else None
+            # the bias gradient is d summed over the tokens: one block's fp32 sum, cast once like the weight's
+            acc_b = torch.zeros(v1 - v0, dtype=torch.float32, device=weight.device) if need_b else None
             for s in range(0, n, tchunk):
                 e = min(s + tchunk, n)
                 h = hidden[s:e]
-                logits, th = _logits(h, w, softcap)
+                logits, th = _logits(h, w, softcap, b)
                 # d loss_i / d logits = softmax - onehot(target), times each token's loss gradient
                 d = torch.exp(logits - lse[s:e].unsqueeze(1))
                 del logits
@@ -125,20 +139,27 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[s:e] += (d.to(weight.dtype) @ w).float()
                 if need_w:
                     acc.addmm_(d.T, h.float())
+                if need_b:
+                    acc_b += d.sum(0)
                 del d
             if need_w:
                 grad_weight[v0:v1] = acc.to(weight.dtype)
+            if need_b:
+                grad_bias[v0:v1] = acc_b.to(bias.dtype)
         if need_h:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, grad_bias
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "mean", *, chunk_size: int | None = None, softcap: float | None = None,
-                         num_items_in_batch: int | torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """Cross-entropy of `hidden @ weight.T` against `targets`, in chunks of tokens.
+                         num_items_in_batch: int | torch.Tensor | None = None, backend: str = "auto",
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T + bias` against `targets`, in chunks of tokens.
 
     hidden: (..., H); weight: (V, H); targets: (...) token ids, `ignore_index` for none.
+    bias: optional (V,) LM-head bias (BERT's masked-LM decoder), added to the fp32 logits before the
+    soft-capping; its gradient is returned in its own dtype.
     reduction: "mean" (over the targets that are not ignored, or over `num_items_in_batch` when given,
     as transformers passes it under gradient accumulation), "sum" or "none" (per token, fp32).
     softcap: Gemma 2's final logit soft-capping, softcap * tanh(logits / softcap).
@@ -153,6 +174,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"reduction must be mean, sum or none, not {reduction!r}")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the weight's {weight.shape[1]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be ({weight.shape[0]},), one entry per vocabulary entry")
     lead = hidden.shape[:-1]
     if targets.shape != lead:
         raise ValueError(f"targets {tuple(targets.shape)} must match the hidden states' leading shape {tuple(lead)}")
@@ -161,34 +184,38 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     device = h.device.type
     dtype = autocast_dtype(device)
     if dtype is not None:
-        # cast once, outside: inside, autocast would cast the weight again for every chunk
+        # cast once, outside: inside, autocast would cast the weight (and bias) again for every chunk. The
+        # bias follows the weight as autocast's addmm would cast it; its gradient flows back through the cast.
         h, weight = h.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
-            out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)
+            out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch, bias)
     else:
-        out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch)
+        out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch, bias)
     return out.reshape(lead) if reduction == "none" else out
 
 
-def _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch):
-    triton_loss = _triton_loss(backend, h, weight)
+def _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch, bias=None):
+    triton_loss = _triton_loss(backend, h, weight, bias)
     if triton_loss is not None:
-        return triton_loss.apply(h, weight, t, ignore_index, reduction, softcap, num_items_in_batch)
+        return triton_loss.apply(h, weight, t, ignore_index, reduction, softcap, num_items_in_batch, None, bias)
     chunk = chunk_size or default_chunk(weight.shape[0])
-    return LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch)
+    return LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch, bias)
 
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _triton_loss(backend: str, h: torch.Tensor, weight: torch.Tensor):
+def _triton_loss(backend: str, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The Triton autograd.Function if `backend` picks it for these tensors, else None."""
     if backend == "torch":
         return None
-    on_cuda = h.is_cuda and weight.is_cuda
+    on_cuda = h.is_cuda and weight.is_cuda and (bias is None or bias.is_cuda)
     if backend == "auto":
         # fake tensors (memplan's tracer) keep the PyTorch path: a kernel launch needs real memory
         if not on_cuda or is_fake(h) or h.dtype != weight.dtype or h.dtype not in _TRITON_DTYPES:
+            return None
+        if bias is not None and bias.dtype not in _TRITON_DTYPES:  # the kernels load it as fp32/fp16/bf16
             return None
         try:
             from . import triton_cross_entropy
@@ -205,10 +232,13 @@ def _triton_loss(backend: str, h: torch.Tensor, weight: torch.Tensor):
     return triton_cross_entropy.TritonLinearCrossEntropy
 
 
-def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None):
+def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None,
+              bias=None):
     """The plain computation: whole logits, up-cast to fp32, torch's cross_entropy (transformers'
-    ForCausalLMLoss does the same)."""
+    ForCausalLMLoss does the same); `bias` added to the up-cast logits, before the soft-capping."""
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T).float()
+    if bias is not None:
+        logits = logits + bias.float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     t = targets.reshape(-1)

@@ -1,11 +1,12 @@
 """`apply(model)`: train a transformers model with memplan's kernels, in place and reversibly (`revert`).
 
-- loss: the fused linear + cross-entropy (kernels/cross_entropy.py) for the causal LMs of llama, mistral,
-  qwen2, gemma, gemma2 and gpt2. The patched forward runs the model's own base model, then computes the
-  loss from the last hidden states and the LM head's weight exactly as transformers' ForCausalLMLoss does
-  (labels shifted by one, ignore_index -100, the mean over the targets or over `num_items_in_batch`,
-  Gemma 2's final logit soft-capping). It returns no logits when labels are given; without labels the
-  original forward runs.
+- loss: the fused linear + cross-entropy (kernels/cross_entropy.py). For the causal LMs of llama,
+  mistral, qwen2, gemma, gemma2 and gpt2 the patched forward runs the model's own base model, then
+  computes the loss from the last hidden states and the LM head's weight exactly as transformers'
+  ForCausalLMLoss does (labels shifted by one, ignore_index -100, the mean over the targets or over
+  `num_items_in_batch`, Gemma 2's final logit soft-capping). For BERT's masked LM it runs the head's
+  transform and the loss of the decoder, its bias included, as BertForMaskedLM's CrossEntropyLoss does.
+  It returns no logits when labels are given; without labels the original forward runs.
 - mlp: the tiled MLP (kernels/mlp.py) on every layer's MLP: llama, mistral, qwen2, gemma, gemma2, gpt2
   (the `mlp` module), bert (BertLayer.feed_forward_chunk: intermediate, output dense, dropout, LayerNorm).
 - attention: memplan's tiled attention (kernels/attention.py) as the model's attn_implementation
@@ -22,12 +23,12 @@ import types
 
 import torch
 
-from memplan.rules import FUSED_LOSS_FAMILIES  # model_type -> the base model's attribute
+from memplan.rules import FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM  # model_type -> the base model's attribute
 from memplan.rules import TILED_MLP_FAMILIES
 
 from .cross_entropy import linear_cross_entropy
 
-SUPPORTED = tuple(sorted(set(FUSED_LOSS_FAMILIES) | set(TILED_MLP_FAMILIES)))
+SUPPORTED = tuple(sorted(set(FUSED_LOSS_FAMILIES) | set(FUSED_LOSS_MASKED_LM) | set(TILED_MLP_FAMILIES)))
 _ORIGINAL = "_memplan_original_forward"
 _APPLIED = "_memplan_kernels"  # what apply did: {"loss": bool, "mlp": [modules], "attention": previous impl}
 _FFN = "feed_forward_chunk"  # BertLayer's token-wise feed-forward
@@ -47,13 +48,19 @@ def apply(model: torch.nn.Module, *, loss: bool = True, mlp: bool = True, attent
         revert(model)
     done = {"loss": False, "mlp": [], "attention": None}
     base_name = FUSED_LOSS_FAMILIES.get(model_type)
+    mlm_base = FUSED_LOSS_MASKED_LM.get(model_type)
     if loss and base_name and hasattr(model, base_name) and hasattr(model, "lm_head"):
         setattr(model, _ORIGINAL, model.forward)
         model.forward = types.MethodType(_forward_with(base_name), model)
         done["loss"] = True
+    elif loss and mlm_base and hasattr(model, mlm_base) and hasattr(getattr(model, "cls", None), "predictions"):
+        setattr(model, _ORIGINAL, model.forward)
+        model.forward = types.MethodType(_masked_lm_forward_with(mlm_base), model)
+        done["loss"] = True
     elif loss and not (mlp or attention):
         raise ValueError(f"memplan.kernels.apply(loss=True): the fused loss is for the causal LMs of "
-                         f"{', '.join(sorted(FUSED_LOSS_FAMILIES))}; not {type(model).__name__}")
+                         f"{', '.join(sorted(FUSED_LOSS_FAMILIES))} and the masked LMs of "
+                         f"{', '.join(sorted(FUSED_LOSS_MASKED_LM))}; not {type(model).__name__}")
     if mlp and model_type in TILED_MLP_FAMILIES:
         done["mlp"] = _tile_mlps(model, model_type, mlp_chunk)
     if attention:
@@ -174,4 +181,22 @@ def _forward_with(base_name: str):
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
                                       hidden_states=getattr(outputs, "hidden_states", None),
                                       attentions=getattr(outputs, "attentions", None))
+    return forward
+
+
+def _masked_lm_forward_with(base_name: str):
+    """BertForMaskedLM's forward with the fused loss: the encoder, the head's transform (dense, activation,
+    LayerNorm), then the loss of the decoder (weight + bias) against the labels as they are (no shift),
+    the mean over the labels that are not -100, as its CrossEntropyLoss takes it."""
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        if labels is None:
+            return getattr(self, _ORIGINAL)(input_ids=input_ids, **kwargs)
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        outputs = getattr(self, base_name)(input_ids, return_dict=True, **kwargs)
+        head = self.cls.predictions
+        hidden = head.transform(outputs[0])
+        loss = linear_cross_entropy(hidden, head.decoder.weight, labels.to(hidden.device), bias=head.decoder.bias)
+        return MaskedLMOutput(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                              attentions=outputs.attentions)
     return forward

@@ -38,6 +38,13 @@ bytes (about 0.26 GiB at H = 4096 on 132 SMs with 128-row blocks) rather than a 
 gradient (2 GiB at V = 128,256). Its cost is traffic: every tile reads and writes its rows' H-wide fp32
 sums once, 8·H bytes a row against the tile's 4·H·(other block) FLOPs of matmul.
 
+Bias (optional, (V,), BERT's masked-LM decoder; `HAS_BIAS`): every kernel adds the bias tile, up-cast to
+fp32, to its fp32 logits tile before the soft-capping. Its gradient, d summed over the tokens, comes from
+`_grad_weight_kernel`, which already forms every d tile of its vocabulary block: it sums them over the
+token rows into a BLOCK_V fp32 vector in registers, in a fixed order (no atomics: deterministic), and
+stores it once in the bias's dtype. With the weight's gradient not wanted (`GRAD_W` off) the kernel
+still runs for the bias's, skipping the d^T @ h matmul and its scratch.
+
 Precision: the logits stay in fp32 straight from the accumulator (eager and the PyTorch path round them to
 the input dtype before the up-cast, so in bf16 the kernel's loss is if anything nearer the exact one);
 log-sum-exp and all sums are fp32; d is cast to the input dtype before each gradient matmul, as eager
@@ -96,10 +103,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
-                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
+                 HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """fp32 logits of tokens `rows` x vocabulary entries `cols` (soft-capped), and their tanh."""
+    """fp32 logits of tokens `rows` x vocabulary entries `cols` (plus the bias, soft-capped), and their tanh."""
     ks = tl.arange(0, BLOCK_H)
     h_base = h_ptr + rows.to(tl.int64)[:, None] * s_hn
     w_base = w_ptr + cols.to(tl.int64)[:, None] * s_wv
@@ -109,6 +116,9 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, soft
         h = tl.load(h_base + k[None, :] * s_hk, mask=(rows[:, None] < N) & (k[None, :] < H), other=0.0)
         w = tl.load(w_base + k[None, :] * s_wk, mask=(cols[:, None] < V) & (k[None, :] < H), other=0.0)
         z = _dot(h, tl.trans(w), z, PRECISION, UPCAST)
+    if HAS_BIAS:  # in fp32, before the soft-capping (which caps the whole logit); b_ptr is contiguous
+        b = tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+        z = z + b[None, :]
     th = z
     if HAS_SOFTCAP:
         th = _tanh(z / softcap)
@@ -128,8 +138,8 @@ def _dlogits(z, th, cols, t, lse, g, V, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, t_ptr, loss_ptr, lse_ptr, N, V, H, s_hn, s_hk, s_wv, s_wk, ignore_index, softcap,
-                    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _forward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, loss_ptr, lse_ptr, N, V, H, s_hn, s_hk, s_wv, s_wk, ignore_index,
+                    softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -139,8 +149,8 @@ def _forward_kernel(h_ptr, w_ptr, t_ptr, loss_ptr, lse_ptr, N, V, H, s_hn, s_hk,
     picked = tl.zeros((BLOCK_N,), dtype=tl.float32)  # the target's logit
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        z, _ = _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
-                            HAS_SOFTCAP, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        z, _ = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
+                            HAS_SOFTCAP, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         z = tl.where(cols[None, :] < V, z, float("-inf"))
         # every block holds a column < V, so m_new is finite and exp(-inf - m_new) = 0 on the first block
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -153,8 +163,8 @@ def _forward_kernel(h_ptr, w_ptr, t_ptr, loss_ptr, lse_ptr, N, V, H, s_hn, s_hk,
 
 
 @triton.jit
-def _grad_hidden_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, gh_ptr, acc_ptr, N, V, H, s_hn, s_hk, s_wv, s_wk,
-                        softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _grad_hidden_kernel(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, g_ptr, gh_ptr, acc_ptr, N, V, H, s_hn, s_hk, s_wv, s_wk,
+                        softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -172,8 +182,8 @@ def _grad_hidden_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, gh_ptr, acc_ptr, N,
         gh_base = gh_ptr + rows.to(tl.int64)[:, None] * H
         for vb in range(0, last_v + 1):
             cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-            z, th = _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
-                                 HAS_SOFTCAP, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+            z, th = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
+                                 HAS_SOFTCAP, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
             d = _to(_dlogits(z, th, cols, t, lse, g, V, HAS_SOFTCAP), w_ptr.dtype.element_ty, UPCAST)
             w_base = w_ptr + cols.to(tl.int64)[:, None] * s_wv
             for k0 in range(0, H, BLOCK_H):
@@ -192,8 +202,9 @@ def _grad_hidden_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, gh_ptr, acc_ptr, N,
 
 
 @triton.jit
-def _grad_weight_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, gw_ptr, acc_ptr, N, V, H, s_hn, s_hk, s_wv, s_wk,
-                        softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _grad_weight_kernel(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, g_ptr, gw_ptr, gb_ptr, acc_ptr, N, V, H, s_hn, s_hk,
+                        s_wv, s_wk, softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, GRAD_W: tl.constexpr,
+                        GRAD_B: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -205,26 +216,34 @@ def _grad_weight_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, gw_ptr, acc_ptr, N,
         cols = vb * BLOCK_V + local
         col_ok = cols < V
         gw_base = gw_ptr + cols.to(tl.int64)[:, None] * H
+        # the bias gradient of this block: d summed over the token rows, in fp32, in token-block order
+        db = tl.zeros((BLOCK_V,), dtype=tl.float32)
         for nb in range(0, last_n + 1):
             rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rows < N
             t = tl.load(t_ptr + rows, mask=row_ok, other=-1)
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
             g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
-            z, th = _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
-                                 HAS_SOFTCAP, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-            d_t = tl.trans(_to(_dlogits(z, th, cols, t, lse, g, V, HAS_SOFTCAP), h_ptr.dtype.element_ty, UPCAST))
-            h_base = h_ptr + rows.to(tl.int64)[:, None] * s_hn
-            for k0 in range(0, H, BLOCK_H):
-                k = k0 + ks
-                k_ok = k[None, :] < H
-                h = tl.load(h_base + k[None, :] * s_hk, mask=row_ok[:, None] & k_ok, other=0.0)
-                acc = tl.load(acc_base + k[None, :], mask=tl.where(nb > 0, k_ok, False), other=0.0)
-                acc = _dot(d_t, h, acc, PRECISION, UPCAST)
-                tl.store(acc_base + k[None, :], acc, mask=tl.where(nb < last_n, k_ok, False))
-                tl.store(gw_base + k[None, :], _to(acc, gw_ptr.dtype.element_ty, UPCAST),
-                         mask=tl.where(nb == last_n, col_ok[:, None] & k_ok, False))
-            tl.debug_barrier()
+            z, th = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, s_hn, s_hk, s_wv, s_wk, softcap,
+                                 HAS_SOFTCAP, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+            d = _dlogits(z, th, cols, t, lse, g, V, HAS_SOFTCAP)
+            if GRAD_B:  # the fp32 d, before its cast for the matmul (rows past N and ignored tokens are 0)
+                db += tl.sum(d, axis=0)
+            if GRAD_W:
+                d_t = tl.trans(_to(d, h_ptr.dtype.element_ty, UPCAST))
+                h_base = h_ptr + rows.to(tl.int64)[:, None] * s_hn
+                for k0 in range(0, H, BLOCK_H):
+                    k = k0 + ks
+                    k_ok = k[None, :] < H
+                    h = tl.load(h_base + k[None, :] * s_hk, mask=row_ok[:, None] & k_ok, other=0.0)
+                    acc = tl.load(acc_base + k[None, :], mask=tl.where(nb > 0, k_ok, False), other=0.0)
+                    acc = _dot(d_t, h, acc, PRECISION, UPCAST)
+                    tl.store(acc_base + k[None, :], acc, mask=tl.where(nb < last_n, k_ok, False))
+                    tl.store(gw_base + k[None, :], _to(acc, gw_ptr.dtype.element_ty, UPCAST),
+                             mask=tl.where(nb == last_n, col_ok[:, None] & k_ok, False))
+                tl.debug_barrier()
+        if GRAD_B:  # cast once, to the bias's dtype
+            tl.store(gb_ptr + cols, _to(db, gb_ptr.dtype.element_ty, UPCAST), mask=col_ok)
 
 
 try:
@@ -270,9 +289,12 @@ _TUNED = {}
 
 
 def _tuned(kernel, configs):
-    """The kernel autotuned over `configs` per (H, V, soft-capping) and dtypes (built on first use: CUDA only)."""
+    """The kernel autotuned over `configs` per (H, V, soft-capping, bias, which gradients) and dtypes (built on
+    first use: CUDA only). GRAD_W is a key because without it the weight kernel skips its matmul, so
+    another tile may win; the bias barely changes the work but keys the compiled variant anyway."""
     if kernel not in _TUNED:
-        _TUNED[kernel] = triton.autotune(configs=configs, key=["H", "V", "HAS_SOFTCAP"])(kernel)
+        key = [k for k in ("H", "V", "HAS_SOFTCAP", "HAS_BIAS", "GRAD_W", "GRAD_B") if k in kernel.arg_names]
+        _TUNED[kernel] = triton.autotune(configs=configs, key=key)(kernel)
     return _TUNED[kernel]
 
 
@@ -309,15 +331,21 @@ def _block_rows(tiles: Tiles | None, configs, key: str) -> int:
     return max(c.kwargs[key] for c in configs)
 
 
-def _common(hidden, weight, softcap):
-    return dict(HAS_SOFTCAP=softcap is not None, PRECISION=_precision(hidden.dtype), UPCAST=INTERPRETED)
+def _common(hidden, weight, bias, softcap):
+    return dict(HAS_SOFTCAP=softcap is not None, HAS_BIAS=bias is not None, PRECISION=_precision(hidden.dtype),
+                UPCAST=INTERPRETED)
+
+
+def _bias_arg(bias, weight):
+    # without a bias, HAS_BIAS is off and the pointer is never read: the weight stands in for it
+    return weight if bias is None else bias
 
 
 def _strides(hidden, weight):
     return (*hidden.stride(), *weight.stride())
 
 
-def _forward(hidden, weight, targets, ignore_index, softcap, tiles):
+def _forward(hidden, weight, bias, targets, ignore_index, softcap, tiles):
     n, h = hidden.shape
     v = weight.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -325,57 +353,75 @@ def _forward(hidden, weight, targets, ignore_index, softcap, tiles):
     if n == 0:
         return loss, lse
     _launch(_forward_kernel, _FORWARD_CONFIGS, tiles, lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),),
-            hidden, weight, targets, loss, lse, n, v, h, *_strides(hidden, weight), ignore_index,
-            1.0 if softcap is None else float(softcap), **_common(hidden, weight, softcap))
+            hidden, weight, _bias_arg(bias, weight), targets, loss, lse, n, v, h, *_strides(hidden, weight),
+            ignore_index, 1.0 if softcap is None else float(softcap), **_common(hidden, weight, bias, softcap))
     return loss, lse
 
 
-def _grad(kernel, out_like, key, hidden, weight, targets, lse, g_tok, softcap, tiles):
-    """One backward kernel: persistent programs over blocks of `out_like`'s rows (tokens or vocabulary)."""
+def _grad(kernel, key, outs, flags, hidden, weight, bias, targets, lse, g_tok, softcap, tiles):
+    """One backward kernel: persistent programs over blocks of rows (tokens: key BLOCK_N, or vocabulary:
+    BLOCK_V), writing the output tensors `outs` (contiguous, passed in kernel order); `flags`: the kernel's
+    extra constexprs (GRAD_W, GRAD_B for the weight kernel)."""
     n, h = hidden.shape
     v = weight.shape[0]
     if n == 0:  # no tokens: nothing to sum, and no program would store a zero
-        return torch.zeros_like(out_like, memory_format=torch.contiguous_format)
+        for out in outs:
+            out.zero_()
+        return
     programs = _programs(tiles, hidden.device)
     rows = n if key == "BLOCK_N" else v
-    scratch = torch.empty(programs * _block_rows(tiles, _GRAD_CONFIGS, key) * h, dtype=torch.float32,
-                          device=hidden.device)
-    out = torch.empty(out_like.shape, dtype=out_like.dtype, device=out_like.device)
+    # the fp32 row sums of the matmul gradient; none when only the bias's gradient is wanted
+    size = programs * _block_rows(tiles, _GRAD_CONFIGS, key) * h if flags.get("GRAD_W", True) else 1
+    scratch = torch.empty(size, dtype=torch.float32, device=hidden.device)
     _launch(kernel, _GRAD_CONFIGS, tiles, lambda meta: (min(programs, triton.cdiv(rows, meta[key])),),
-            hidden, weight, targets, lse, g_tok, out, scratch, n, v, h, *_strides(hidden, weight),
-            1.0 if softcap is None else float(softcap), **_common(hidden, weight, softcap))
-    return out
+            hidden, weight, _bias_arg(bias, weight), targets, lse, g_tok, *outs, scratch, n, v, h,
+            *_strides(hidden, weight), 1.0 if softcap is None else float(softcap),
+            **_common(hidden, weight, bias, softcap), **flags)
 
 
 class TritonLinearCrossEntropy(torch.autograd.Function):
     """apply(hidden (N, H), weight (V, H), targets (N,), ignore_index, reduction, softcap, num_items_in_batch,
-    tiles): the loss as LinearCrossEntropy computes it, in Triton. tiles: a `Tiles`, or None for the
-    defaults (autotuned on CUDA)."""
+    tiles, bias): the loss as LinearCrossEntropy computes it, in Triton. tiles: a `Tiles`, or None for the
+    defaults (autotuned on CUDA). bias: None or (V,) in fp32, fp16 or bf16."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, softcap, num_items_in_batch, tiles=None):
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, softcap, num_items_in_batch, tiles=None,
+                bias=None):
         if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"the Triton loss takes fp32, fp16 or bf16 hidden states and weight of one dtype, "
                              f"not {hidden.dtype} and {weight.dtype}")
+        if bias is not None:
+            if tuple(bias.shape) != (weight.shape[0],) or bias.dtype not in (torch.float32, torch.float16,
+                                                                               torch.bfloat16):
+                raise ValueError(f"the Triton loss takes a ({weight.shape[0]},) fp32, fp16 or bf16 bias, not "
+                                 f"{tuple(bias.shape)} {bias.dtype}")
+            bias = bias.contiguous()  # the kernels index it by column alone
         targets = targets.contiguous()
         with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
-            per_token, lse = _forward(hidden, weight, targets, ignore_index, softcap, tiles)
+            per_token, lse = _forward(hidden, weight, bias, targets, ignore_index, softcap, tiles)
         ctx.cfg = (ignore_index, reduction, softcap, tiles)
-        return finish_forward(ctx, per_token, lse, hidden, weight, targets, ignore_index, reduction,
+        return finish_forward(ctx, per_token, lse, hidden, weight, bias, targets, ignore_index, reduction,
                               num_items_in_batch)
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse, denom = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, denom = ctx.saved_tensors
         ignore_index, reduction, softcap, tiles = ctx.cfg
-        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[8]
         # per-token loss gradient, as the PyTorch path forms it (ignored tokens: 0)
         g_tok = token_grads(grad_out, denom, targets, ignore_index, reduction).contiguous()
-        args = (hidden, weight, targets, lse, g_tok, softcap, tiles)
-        grad_hidden = grad_weight = None
+        args = (hidden, weight, bias, targets, lse, g_tok, softcap, tiles)
+        grad_hidden = grad_weight = grad_bias = None
         with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
-            if ctx.needs_input_grad[0]:
-                grad_hidden = _grad(_grad_hidden_kernel, hidden, "BLOCK_N", *args)
-            if ctx.needs_input_grad[1]:
-                grad_weight = _grad(_grad_weight_kernel, weight, "BLOCK_V", *args)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+            if need_h:
+                grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                _grad(_grad_hidden_kernel, "BLOCK_N", (grad_hidden,), {}, *args)
+            if need_w or need_b:
+                # one pass over the vocabulary blocks gives both: the bias's gradient is d summed over tokens;
+                # an output that is not wanted gets a placeholder the kernel never writes (GRAD_W / GRAD_B off)
+                grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+                grad_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_b else None
+                outs = (weight if grad_weight is None else grad_weight, weight if grad_bias is None else grad_bias)
+                _grad(_grad_weight_kernel, "BLOCK_V", outs, dict(GRAD_W=need_w, GRAD_B=need_b), *args)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, grad_bias

@@ -300,7 +300,13 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
     saved: list[Tensors] = []
     if spec.arch in ("decoder", "encoder-decoder", "vision"):
         saved += _norm(spec, T, prec)  # final norm
-    if fused and spec.head == "causal-lm":
+    if spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS:
+        # the masked-LM head's transform before the decoder: dense, activation, LayerNorm
+        saved += _linear_inputs(1, h, T, prec, "mlm transform input")
+        saved += [Tensors("mlm transform act input / saved pieces", w * h * T)
+                  for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
+        saved += _norm(spec, T, prec)
+    if fused and spec.head in ("causal-lm", "masked-lm"):
         return _fused_loss(spec, T, prec, saved)
     if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
         saved += _linear_inputs(1, h, T, prec, "lm_head input")

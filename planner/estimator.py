@@ -21,7 +21,7 @@ from .modelspec import ModelSpec, ParamGroup
 from .parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from .profiles import GPUProfile
 from .rules import (
-    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES,
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM,
     MEMPLAN_ATTN_FAMILIES, OPTIMIZERS, PRECISIONS, TILED_MLP_FAMILIES, WEIGHT_FORMATS, optimizer_state_bytes,
     round_block, round_segment,
 )
@@ -131,7 +131,8 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
                         f"{', '.join(TILED_MLP_FAMILIES)}; "
                         f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
     if w.kernels and not fused_loss_supported(spec):
-        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))}; "
+        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))} "
+                        f"and the masked LMs of {', '.join(sorted(FUSED_LOSS_MASKED_LM))}; "
                         f"not {spec.model_type} ({spec.head})")
 
 
@@ -140,7 +141,8 @@ def tiled_mlp_supported(spec: ModelSpec) -> bool:
 
 
 def fused_loss_supported(spec: ModelSpec) -> bool:
-    return spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES
+    return ((spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES)
+            or (spec.head == "masked-lm" and spec.model_type in FUSED_LOSS_MASKED_LM))
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:

@@ -217,6 +217,9 @@ FUSED_LOSS_CHUNK_BYTES = 64 << 20
 # causal-LM families memplan.kernels.apply patches: model_type -> attribute of the base model
 FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
                        "gpt2": "transformer"}
+# masked-LM families whose head (transform, then a decoder with a bias) apply() gives the fused loss:
+# model_type -> the base model's attribute
+FUSED_LOSS_MASKED_LM = {"bert": "bert"}
 # families whose attention runs through transformers' AttentionInterface without logit soft-capping or a
 # position bias, so memplan.kernels' tiled attention can be their attn_implementation (kernels/attention.py)
 MEMPLAN_ATTN_FAMILIES = ("bert", "gemma", "gpt2", "llama", "mistral", "qwen2")

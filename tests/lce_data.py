@@ -20,3 +20,20 @@ def data(n, hid, vocab, dtype, seed=0, ignore_every=5):
     if ignore_every:
         t[::ignore_every] = -100
     return h, w, t
+
+
+def run_bias(fn, h, w, b, t, g=None, **kw):
+    """`run` with an LM-head bias: (loss, grad hidden, grad weight, grad bias)."""
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_()
+    out = fn(h, w, t, bias=b, **kw)
+    g = torch.ones_like(out) if g is None else g
+    gh, gw, gb = torch.autograd.grad(out, (h, w, b), g)
+    return out.detach(), gh, gw, gb
+
+
+def bias_for(vocab, dtype, seed=0, device="cpu"):
+    """A bias of a size like a trained head's (a few units), so it moves the softmax noticeably."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    return (torch.randn(vocab, generator=gen) * 2.0).to(dtype).to(device)

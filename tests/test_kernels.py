@@ -15,7 +15,7 @@ import memplan.kernels.cross_entropy as lce
 from memplan.kernels import linear_cross_entropy
 from memplan.kernels.cross_entropy import reference
 
-from lce_data import data, run  # tests/lce_data.py
+from lce_data import bias_for, data, run, run_bias  # tests/lce_data.py
 
 
 
@@ -62,6 +62,76 @@ def test_bf16_within_the_references_own_error(reduction, softcap, small_blocks):
         err_tiled = (x.double() - z).abs().max().item()
         err_ref = (y.double() - z).abs().max().item()
         assert err_tiled <= 2 * err_ref + ulp, (err_tiled, err_ref, ulp)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 70), vocab=st.integers(2, 150), chunk=st.integers(1, 40),
+       reduction=st.sampled_from(["mean", "sum", "none"]), softcap=st.sampled_from([None, 30.0, 5.0]))
+def test_bias_fp32_matches_reference(n, vocab, chunk, reduction, softcap):
+    """With an LM-head bias: loss and the gradients of hidden states, weight and bias, across many token
+    chunks and vocabulary blocks."""
+    saved, lce.CHUNK_BYTES = lce.CHUNK_BYTES, 4 * 16 * 24  # many vocabulary blocks at these sizes
+    try:
+        h, w, t = data(n, 16, vocab, torch.float32, seed=n * 1000 + vocab)
+        if (t == -100).all() and reduction == "mean":
+            return  # 0 / 0: see test_all_ignored
+        b = bias_for(vocab, torch.float32, seed=n)
+        g = torch.randn(n) if reduction == "none" else torch.tensor(1.3)
+        a = run_bias(linear_cross_entropy, h, w, b, t, g, reduction=reduction, chunk_size=chunk, softcap=softcap)
+        r = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
+        for x, y in zip(a, r):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * max(1.0, y.abs().max().item()))
+    finally:
+        lce.CHUNK_BYTES = saved
+
+
+@pytest.mark.parametrize("reduction,softcap", [("mean", None), ("sum", 30.0), ("none", 30.0)])
+def test_bias_bf16_within_the_references_own_error(reduction, softcap, small_blocks):
+    h, w, t = data(96, 32, 257, torch.bfloat16)
+    b = bias_for(257, torch.bfloat16)
+    g = torch.randn(96) if reduction == "none" else torch.tensor(1.0)
+    tiled = run_bias(linear_cross_entropy, h, w, b, t, g, reduction=reduction, chunk_size=7, softcap=softcap)
+    ref = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
+    exact = run_bias(reference, h.double(), w.double(), b.double(), t, g.double(), reduction=reduction,
+                     softcap=softcap)
+    for x, y, z in zip(tiled, ref, exact):
+        assert x.dtype == y.dtype
+        ulp = 2.0 ** -8 * z.abs().max().item()
+        err_tiled = (x.double() - z).abs().max().item()
+        err_ref = (y.double() - z).abs().max().item()
+        assert err_tiled <= 2 * err_ref + ulp, (err_tiled, err_ref, ulp)
+
+
+def test_bias_none_and_zero_bias_keep_todays_results(small_blocks):
+    """bias=None is the biasless path, bit for bit; a zero bias gives the same loss and hidden/weight
+    gradients, and the bias gradient is d summed over tokens (reference's)."""
+    h, w, t = data(37, 16, 61, torch.float32)
+    for kw in (dict(), dict(softcap=5.0, reduction="sum")):
+        plain = run(linear_cross_entropy, h, w, t, chunk_size=6, **kw)
+        none = run(lambda *a, **k: linear_cross_entropy(*a, bias=None, **k), h, w, t, chunk_size=6, **kw)
+        assert all(torch.equal(x, y) for x, y in zip(plain, none))
+        zero = run_bias(linear_cross_entropy, h, w, torch.zeros(61), t, chunk_size=6, **kw)
+        for x, y in zip(zero[:3], plain):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(zero[3], run_bias(reference, h, w, torch.zeros(61), t, **kw)[3],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_bias_only_gradient_autocast_and_errors(small_blocks):
+    h, w, t = data(30, 16, 45, torch.float32)
+    b = bias_for(45, torch.float32).requires_grad_()
+    # only the bias's gradient wanted: the others are not formed
+    (gb,) = torch.autograd.grad(linear_cross_entropy(h, w, t, bias=b, softcap=5.0), b)
+    torch.testing.assert_close(gb, run_bias(reference, h, w, b, t, softcap=5.0)[3], rtol=1e-5, atol=1e-6)
+    # autocast: the bias is cast once with the weight; its gradient comes back in its own dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = linear_cross_entropy(h, w, t, bias=b)
+    (gb16,) = torch.autograd.grad(cast, b)
+    assert gb16.dtype == torch.float32
+    plain = linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, bias=b.detach().bfloat16())
+    torch.testing.assert_close(cast, plain, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bias"):
+        linear_cross_entropy(h, w, t, bias=b[:44])
 
 
 def test_all_ignored(small_blocks):
@@ -172,7 +242,9 @@ def test_bert_gets_the_tiled_mlp_with_the_same_loss_and_gradients():
 
     base, base_g = loss_and_grads()
     apply(bert, mlp_chunk=7)  # 48 tokens in 7 chunks
-    assert applied(bert) == {"loss": False, "mlp": 2, "attention": False}  # no fused loss for a masked LM
+    # the masked-LM head's loss is fused too: the decoder's weight and bias
+    assert applied(bert) == {"loss": True, "mlp": 2, "attention": False}
+    assert bert(input_ids=x, labels=labels).logits is None
     tiled, tiled_g = loss_and_grads()
     torch.testing.assert_close(tiled, base, rtol=1e-6, atol=1e-6)
     for a, b in zip(tiled_g, base_g):
@@ -183,7 +255,7 @@ def test_bert_gets_the_tiled_mlp_with_the_same_loss_and_gradients():
 
 
 def test_unsupported_models_get_a_clear_message():
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from memplan.kernels import apply
 
@@ -191,10 +263,10 @@ def test_unsupported_models_get_a_clear_message():
                                                                 num_attention_heads=2, ffn_dim=64, vocab_size=50))
     with pytest.raises(ValueError, match="supports bert, gemma, gemma2, gpt2, llama, mistral, qwen2; not OPTForCausalLM"):
         apply(opt)
-    bert = AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1,
-                                                                 num_attention_heads=2, intermediate_size=64))
+    bert = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(
+        "bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
     with pytest.raises(ValueError, match="the fused loss is for the causal LMs of gemma, gemma2, gpt2, llama"):
-        apply(bert, mlp=False)
+        apply(bert, mlp=False)  # a classifier has no LM head
 
 
 @pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-pure"), dict(precision="bf16"),
@@ -284,3 +356,15 @@ def test_cli_takes_the_kernel_flags():
     assert r.exit_code == 0, r.output
     w = json.loads(r.output)["workload"]
     assert (w["attn"], w["kernels"], w["tiled_mlp"]) == ("memplan", True, True)
+
+
+def test_estimate_with_the_fused_masked_lm_loss_agrees_with_the_trace():
+    """BERT's masked LM with --kernels: the head's transform, then the fused loss with the decoder's bias."""
+    from memplan.verify import run
+
+    r = run(model="bert-base", head="masked-lm", gpu="a100-80g", device="fake", steps=2, micro_batch=16, seq_len=512,
+            attn="sdpa", precision="bf16", kernels=True)
+    assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
+    plain = memplan.estimate("bert-base", "a100-80g", head="masked-lm", micro_batch=16, seq_len=512, attn="sdpa",
+                             precision="bf16")
+    assert r.meters[0].predicted_bytes < plain.peak_allocated_bytes

@@ -23,7 +23,7 @@ import memplan.kernels.triton_cross_entropy as tce  # noqa: E402
 from memplan.kernels import linear_cross_entropy  # noqa: E402
 from memplan.kernels.cross_entropy import reference  # noqa: E402
 import lce_data  # noqa: E402  (tests/lce_data.py)
-from lce_data import run  # noqa: E402
+from lce_data import bias_for, run, run_bias  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_kernels = pytest.mark.skipif(DEVICE == "cpu" and not tce.INTERPRETED,
@@ -36,9 +36,9 @@ def triton_loss(h, w, t, **kw):
 
 
 def with_tiles(tiles):
-    def fn(h, w, t, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None):
+    def fn(h, w, t, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None, bias=None):
         return tce.TritonLinearCrossEntropy.apply(h, w, t, ignore_index, reduction, softcap, num_items_in_batch,
-                                                  tiles)
+                                                  tiles, bias)
     return fn
 
 
@@ -84,6 +84,70 @@ def test_bf16_within_the_references_own_error(reduction, softcap):
         err_kernel = (x.double() - z).abs().max().item()
         err_ref = (y.double() - z).abs().max().item()
         assert err_kernel <= 2 * err_ref + ulp, (err_kernel, err_ref, ulp)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 40), hid=st.integers(1, 60), vocab=st.integers(2, 90), tiles=st.sampled_from(TILES),
+       reduction=st.sampled_from(["mean", "sum", "none"]), softcap=st.sampled_from([None, 30.0, 5.0]))
+def test_bias_fp32_odd_sizes_match_reference(n, hid, vocab, tiles, reduction, softcap):
+    """With an LM-head bias: loss and the gradients of hidden states, weight and bias."""
+    h, w, t = data(n, hid, vocab, torch.float32, seed=n * 1000 + vocab)
+    if (t == -100).all() and reduction == "mean":
+        return  # 0 / 0: see test_all_ignored
+    b = bias_for(vocab, torch.float32, seed=hid, device=DEVICE)
+    g = torch.randn(n, device=DEVICE) if reduction == "none" else torch.tensor(1.3, device=DEVICE)
+    a = run_bias(with_tiles(tiles), h, w, b, t, g, reduction=reduction, softcap=softcap)
+    r = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
+    assert_fp32_close(a, r)
+
+
+@pytest.mark.parametrize("reduction,softcap", [("mean", None), ("none", 30.0)])
+def test_bias_bf16_within_the_references_own_error(reduction, softcap):
+    h, w, t = data(40, 48, 100, torch.bfloat16)
+    b = bias_for(100, torch.bfloat16, device=DEVICE)
+    g = torch.randn(40, device=DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE)
+    kernel = run_bias(triton_loss, h, w, b, t, g, reduction=reduction, softcap=softcap)
+    ref = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
+    exact = run_bias(reference, h.double(), w.double(), b.double(), t, g.double(), reduction=reduction,
+                     softcap=softcap)
+    for x, y, z in zip(kernel, ref, exact):
+        assert x.dtype == y.dtype
+        ulp = 2.0 ** -8 * z.abs().max().item()
+        err_kernel = (x.double() - z).abs().max().item()
+        err_ref = (y.double() - z).abs().max().item()
+        assert err_kernel <= 2 * err_ref + ulp, (err_kernel, err_ref, ulp)
+
+
+def test_bias_none_keeps_todays_results_and_matches_the_torch_path():
+    h, w, t = data(33, 20, 45, torch.float32)
+    plain = run(triton_loss, h, w, t, softcap=5.0)
+    none = run(lambda *a, **k: triton_loss(*a, bias=None, **k), h, w, t, softcap=5.0)
+    assert all(torch.equal(x, y) for x, y in zip(plain, none))
+    b = bias_for(45, torch.float32, device=DEVICE)
+    kernel = run_bias(triton_loss, h, w, b, t, softcap=5.0)
+    torch_path = run_bias(linear_cross_entropy, h, w, b, t, softcap=5.0, backend="torch")
+    assert_fp32_close(kernel, torch_path)
+    assert all(torch.equal(x, y) for x, y in zip(kernel, run_bias(triton_loss, h, w, b, t, softcap=5.0)))
+
+
+@pytest.mark.parametrize("which", ["bias", "weight"])
+def test_bias_gradient_alone_or_with_the_weights(which, monkeypatch):
+    """The weight kernel gives the bias's gradient; it runs for it alone too (GRAD_W off, no matmul)."""
+    h, w, t = data(20, 16, 40, torch.float32)
+    b = bias_for(40, torch.float32, device=DEVICE).requires_grad_()
+    ran = []
+    grad = tce._grad
+    monkeypatch.setattr(tce, "_grad", lambda kernel, *a: ran.append(kernel) or grad(kernel, *a))
+    w.requires_grad_(which == "weight")
+    xs = (w, b) if which == "weight" else (b,)
+    got = torch.autograd.grad(triton_loss(h, w, t, bias=b, softcap=5.0), xs)
+    _, _, gw, gb = run_bias(reference, h, w, b, t, softcap=5.0)
+    assert ran == [tce._grad_weight_kernel]
+    for x, y in zip(got, (gw, gb) if which == "weight" else (gb,)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    no_tokens = data(0, 16, 40, torch.float32)
+    (gb0,) = torch.autograd.grad(triton_loss(*no_tokens, bias=b, reduction="sum"), b)
+    assert torch.equal(gb0, torch.zeros_like(gb0))
 
 
 @triton.jit
