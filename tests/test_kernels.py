@@ -16,6 +16,7 @@ from memplan.kernels import linear_cross_entropy
 from memplan.kernels.cross_entropy import reference
 
 from lce_data import bias_for, data, run, run_bias  # tests/lce_data.py
+from tolerance import assert_within_own_error  # tests/tolerance.py
 
 
 
@@ -57,11 +58,7 @@ def test_bf16_within_the_references_own_error(reduction, softcap, small_blocks):
     tiled = run(linear_cross_entropy, h, w, t, g, reduction=reduction, chunk_size=7, softcap=softcap)
     ref = run(reference, h, w, t, g, reduction=reduction, softcap=softcap)
     exact = run(reference, h.double(), w.double(), t, g.double(), reduction=reduction, softcap=softcap)
-    for x, y, z in zip(tiled, ref, exact):
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err_tiled = (x.double() - z).abs().max().item()
-        err_ref = (y.double() - z).abs().max().item()
-        assert err_tiled <= 2 * err_ref + ulp, (err_tiled, err_ref, ulp)
+    assert_within_own_error(tiled, ref, exact)
 
 
 @settings(max_examples=20, deadline=None)
@@ -94,12 +91,7 @@ def test_bias_bf16_within_the_references_own_error(reduction, softcap, small_blo
     ref = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
     exact = run_bias(reference, h.double(), w.double(), b.double(), t, g.double(), reduction=reduction,
                      softcap=softcap)
-    for x, y, z in zip(tiled, ref, exact):
-        assert x.dtype == y.dtype
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err_tiled = (x.double() - z).abs().max().item()
-        err_ref = (y.double() - z).abs().max().item()
-        assert err_tiled <= 2 * err_ref + ulp, (err_tiled, err_ref, ulp)
+    assert_within_own_error(tiled, ref, exact)
 
 
 def test_bias_none_and_zero_bias_keep_todays_results(small_blocks):

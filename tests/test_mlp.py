@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from tolerance import assert_within_own_error  # tests/tolerance.py
 
 from memplan.kernels.mlp import gated_act, gated_mlp, patch_mlp, reference_gated, tiled_mlp, unpatch_mlp
 
@@ -50,13 +51,6 @@ def run(kind, x, ps, g, chunk=None):
 def assert_fp32_close(got, want):
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * max(1.0, y.abs().max().item()))
-
-
-def assert_within_own_error(got, plain, exact):
-    for x, y, z in zip(got, plain, exact, strict=True):
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err, err_plain = (x.double() - z).abs().max().item(), (y.double() - z).abs().max().item()
-        assert err <= 2 * err_plain + ulp, (err, err_plain, ulp)
 
 
 # -- tiled_mlp -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import memplan.kernels.triton_cross_entropy as tce  # noqa: E402
 from memplan.kernels import linear_cross_entropy  # noqa: E402
 from memplan.kernels.cross_entropy import reference  # noqa: E402
 import lce_data  # noqa: E402  (tests/lce_data.py)
+from tolerance import assert_within_own_error  # noqa: E402  (tests/tolerance.py)
 from lce_data import bias_for, run, run_bias  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,12 +79,7 @@ def test_bf16_within_the_references_own_error(reduction, softcap):
     kernel = run(triton_loss, h, w, t, g, reduction=reduction, softcap=softcap)
     ref = run(reference, h, w, t, g, reduction=reduction, softcap=softcap)
     exact = run(reference, h.double(), w.double(), t, g.double(), reduction=reduction, softcap=softcap)
-    for x, y, z in zip(kernel, ref, exact):
-        assert x.dtype == y.dtype
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err_kernel = (x.double() - z).abs().max().item()
-        err_ref = (y.double() - z).abs().max().item()
-        assert err_kernel <= 2 * err_ref + ulp, (err_kernel, err_ref, ulp)
+    assert_within_own_error(kernel, ref, exact)
 
 
 @settings(max_examples=12, deadline=None)
@@ -110,12 +106,7 @@ def test_bias_bf16_within_the_references_own_error(reduction, softcap):
     ref = run_bias(reference, h, w, b, t, g, reduction=reduction, softcap=softcap)
     exact = run_bias(reference, h.double(), w.double(), b.double(), t, g.double(), reduction=reduction,
                      softcap=softcap)
-    for x, y, z in zip(kernel, ref, exact):
-        assert x.dtype == y.dtype
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err_kernel = (x.double() - z).abs().max().item()
-        err_ref = (y.double() - z).abs().max().item()
-        assert err_kernel <= 2 * err_ref + ulp, (err_kernel, err_ref, ulp)
+    assert_within_own_error(kernel, ref, exact)
 
 
 def test_bias_none_keeps_todays_results_and_matches_the_torch_path():
@@ -261,8 +252,4 @@ def test_autotuned_kernel_at_a_realistic_size():
     assert all(torch.equal(x, y) for x, y in zip(kernel, run(triton_loss, h, w, t)))
     torch_path = run(linear_cross_entropy, h, w, t, backend="torch")
     exact = run(reference, h.double(), w.double(), t)
-    for x, y, z in zip(kernel, torch_path, exact):
-        ulp = 2.0 ** -8 * z.abs().max().item()
-        err_kernel = (x.double() - z).abs().max().item()
-        err_torch = (y.double() - z).abs().max().item()
-        assert err_kernel <= 2 * err_torch + ulp, (err_kernel, err_torch, ulp)
+    assert_within_own_error(kernel, torch_path, exact)
