@@ -32,14 +32,6 @@ from memplan.kernels.cross_entropy import reference
 from memplan.kernels.mlp import gated_act, reference_gated
 
 
-def fwd_bwd(loss_fn):
-    """One training step of a loss head: forward, then the gradients of both inputs."""
-    def step(h, w, t):
-        loss = loss_fn(h, w, t)
-        torch.autograd.grad(loss, (h, w))
-    return step
-
-
 def loss_setup(args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(args.tokens, args.hidden, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
@@ -75,9 +67,9 @@ def _sdpa(q, k, v):
 
 CASES = {
     "linear_cross_entropy": (loss_setup, {
-        "triton": fwd_bwd(functools.partial(linear_cross_entropy, backend="triton")),
-        "torch (tiled)": fwd_bwd(functools.partial(linear_cross_entropy, backend="torch")),
-        "eager": fwd_bwd(reference),
+        "triton": grads_of(functools.partial(linear_cross_entropy, backend="triton")),
+        "torch (tiled)": grads_of(functools.partial(linear_cross_entropy, backend="torch")),
+        "eager": grads_of(reference),
     }),
     "attention": (attention_setup, {
         "triton": grads_of(functools.partial(attention, causal=True, backend="triton")),

@@ -8,6 +8,8 @@ autocast, and `memplan verify --device fake|cpu` must see the kernels cast as th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 
@@ -20,3 +22,15 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
         if dtype is not None:
             return dtype
     return None
+
+
+def cast_once(device_type: str, *tensors):
+    """(the tensors cast to the autocast dtype, a context with autocast off for the kernel's tiles): a
+    kernel casts its inputs once, outside, where autocast would cast every tile's operands again (and a
+    gradient flows back through the cast). Without autocast: the tensors as they are, a null context.
+    None stays None (an optional input)."""
+    dtype = autocast_dtype(device_type)
+    if dtype is None:
+        return tensors, nullcontext()
+    off = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext()
+    return tuple(None if t is None else t.to(dtype) for t in tensors), off

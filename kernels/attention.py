@@ -46,32 +46,17 @@ everything else (CPU, fake and meta tensors: memplan's tracer counts this path's
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-from .amp import autocast_dtype
+from .amp import cast_once
+from .backend import pick, triton_module
 
 BLOCK_BYTES = 16 * 2**20  # default tiles: one fp32 score block of b x hq x block_q x block_k is at most this
 MAX_BLOCK_K = 512
 MIN_BLOCK_Q, MAX_BLOCK_Q = 16, 1024
 MAX_TRITON_HEAD_DIM = 256  # a whole head (padded to a power of two) sits in each tile's registers
-
-_triton_module = None
-
-
-def _triton():
-    """kernels/triton_attention.py, or None where triton does not import. Imported on first use only."""
-    global _triton_module
-    if _triton_module is None:
-        try:
-            from . import triton_attention
-        except ImportError:
-            triton_attention = False
-        _triton_module = triton_attention
-    return _triton_module or None
-
 
 def default_blocks(b: int, hq: int, sq: int, sk: int) -> tuple[int, int]:
     """Tiles of the PyTorch path: key blocks of up to 512, query blocks sized to the byte budget."""
@@ -213,7 +198,7 @@ def _query_blocks(j0: int, sq: int, offset: int, causal: bool, block_q: int):
 class TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kpm, causal, scale, block_q, block_k):
-        kern = _triton()
+        kern = triton_module("triton_attention")
         kpm8 = None if kpm is None else kpm.to(torch.int8).contiguous()
         out, lse = kern.forward(q, k, v, causal, kpm8, scale, block_q, block_k)
         ctx.save_for_backward(q, k, v, out, lse, kpm8)
@@ -224,35 +209,8 @@ class TritonAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, kpm8 = ctx.saved_tensors
         causal, scale, block_q, block_k = ctx.cfg
-        dq, dk, dv = _triton().backward(grad_out, q, k, v, out, lse, causal, kpm8, scale, block_q, block_k)
+        dq, dk, dv = triton_module("triton_attention").backward(grad_out, q, k, v, out, lse, causal, kpm8, scale, block_q, block_k)
         return dq, dk, dv, None, None, None, None, None
-
-
-def _is_real_cuda(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.is_cuda and not is_fake(t)
-
-
-def _pick_backend(backend: str, q: torch.Tensor) -> str:
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        # fake tensors (memplan's tracer) and CPU tensors take the PyTorch path
-        fits = _is_real_cuda(q) and q.shape[-1] <= MAX_TRITON_HEAD_DIM
-        return "triton" if fits and _triton() is not None else "torch"
-    if backend != "triton":
-        raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
-    kern = _triton()
-    if kern is None:
-        raise ValueError("backend='triton' needs triton, which does not import here")
-    if q.shape[-1] > MAX_TRITON_HEAD_DIM:
-        raise ValueError(f"the Triton kernels take head dims up to {MAX_TRITON_HEAD_DIM}, not {q.shape[-1]}")
-    if not _is_real_cuda(q) and not (kern.INTERPRETED and q.device.type == "cpu"):
-        raise ValueError(f"backend='triton' needs CUDA tensors (got {q.device.type}); on CPU, set "
-                         "TRITON_INTERPRET=1 before memplan.kernels.triton_attention is imported, to run the kernels "
-                         "in Triton's interpreter")
-    return "triton"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -283,13 +241,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                              f"got {tuple(key_padding_mask.shape)}")
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     scale = d ** -0.5 if scale is None else float(scale)
-    path = _pick_backend(backend, q)
-    device = q.device.type
-    has_autocast = torch.amp.is_autocast_available(device)  # not on the meta device
-    dtype = autocast_dtype(device)
-    if dtype is not None:
-        # cast once, outside: inside, autocast would cast every block's matmul back to half
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if backend == "triton" and q.shape[-1] > MAX_TRITON_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take head dims up to {MAX_TRITON_HEAD_DIM}, not {q.shape[-1]}")
+    path = "triton" if pick(backend, (q, k, v), "triton_attention", fits=q.shape[-1] <= MAX_TRITON_HEAD_DIM) else "torch"
+    (q, k, v), no_autocast = cast_once(q.device.type, q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if path == "triton":
@@ -303,7 +258,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         default_q, default_k = default_blocks(b, hq, sq, sk)
         block_q, block_k = block_q or default_q, block_k or default_k
         fn = TiledAttention
-    with torch.autocast(device, enabled=False) if has_autocast else contextlib.nullcontext():
+    with no_autocast:
         return fn.apply(q, k, v, key_padding_mask, bool(causal), scale, block_q, block_k)
 
 
@@ -345,7 +300,7 @@ def _eager(q, k, v, mask, scale):
 # ---------------------------------------------------------------------------------------------------------
 
 NAME = "memplan"
-_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "dropout")
+DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "dropout")
 
 
 def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -360,7 +315,7 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
     """
     if dropout and dropout > 0:
         config = getattr(module, "config", None)
-        field = next((f for f in _DROPOUT_FIELDS if getattr(config, f, 0)), "attention dropout")
+        field = next((f for f in DROPOUT_FIELDS if getattr(config, f, 0)), "attention dropout")
         raise ValueError(f"memplan attention does not implement attention dropout (got p={dropout}); set the model "
                          f"config's `{field}` to 0, or train with another attn_implementation")
     for unsupported in ("softcap", "s_aux", "position_bias"):

@@ -20,12 +20,11 @@ be missing (it is Linux-only). `reference` is the plain computation the tests ho
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from .amp import autocast_dtype
+from .amp import cast_once
+from .backend import pick
 
 from memplan.rules import FUSED_LOSS_CHUNK_BYTES, fused_loss_blocks, fused_loss_chunk
 
@@ -168,8 +167,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     TRITON_INTERPRET=1 set before the kernel module is first imported) or "torch". chunk_size applies to
     the PyTorch path only; the Triton kernels have their own tiles.
     """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, not {reduction!r}")
     if hidden.shape[-1] != weight.shape[1]:
@@ -181,16 +178,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"targets {tuple(targets.shape)} must match the hidden states' leading shape {tuple(lead)}")
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    device = h.device.type
-    dtype = autocast_dtype(device)
-    if dtype is not None:
-        # cast once, outside: inside, autocast would cast the weight (and bias) again for every chunk. The
-        # bias follows the weight as autocast's addmm would cast it; its gradient flows back through the cast.
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
-            out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch, bias)
-    else:
+    # the bias follows the weight, as autocast's addmm would cast it
+    (h, weight, bias), no_autocast = cast_once(h.device.type, h, weight, bias)
+    with no_autocast:
         out = _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, num_items_in_batch, bias)
     return out.reshape(lead) if reduction == "none" else out
 
@@ -203,33 +193,10 @@ def _apply(backend, h, weight, t, ignore_index, reduction, chunk_size, softcap, 
     return LinearCrossEntropy.apply(h, weight, t, ignore_index, reduction, chunk, softcap, num_items_in_batch, bias)
 
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _triton_loss(backend: str, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The Triton autograd.Function if `backend` picks it for these tensors, else None."""
-    if backend == "torch":
-        return None
-    on_cuda = h.is_cuda and weight.is_cuda and (bias is None or bias.is_cuda)
-    if backend == "auto":
-        # fake tensors (memplan's tracer) keep the PyTorch path: a kernel launch needs real memory
-        if not on_cuda or is_fake(h) or h.dtype != weight.dtype or h.dtype not in _TRITON_DTYPES:
-            return None
-        if bias is not None and bias.dtype not in _TRITON_DTYPES:  # the kernels load it as fp32/fp16/bf16
-            return None
-        try:
-            from . import triton_cross_entropy
-        except ImportError:  # no triton (not Linux, or not installed): the tiled PyTorch path
-            return None
-        return triton_cross_entropy.TritonLinearCrossEntropy
-    try:
-        from . import triton_cross_entropy
-    except ImportError as e:
-        raise ValueError(f"backend='triton' needs triton, which does not import here: {e}") from e
-    if not on_cuda and not triton_cross_entropy.INTERPRETED:
-        raise ValueError("backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
-                         "memplan.kernels.triton_cross_entropy is first imported (Triton's interpreter)")
-    return triton_cross_entropy.TritonLinearCrossEntropy
+    """The Triton autograd.Function if `backend` picks it for these tensors (kernels/backend.py), else None."""
+    mod = pick(backend, (h, weight, bias), "triton_cross_entropy", fits=h.dtype == weight.dtype)
+    return mod.TritonLinearCrossEntropy if mod else None
 
 
 def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", softcap=None, num_items_in_batch=None,

@@ -27,9 +27,9 @@ Design decisions:
 - The parameters' gradients are summed in fp32 over the chunks and cast once, whatever their dtype.
   The untiled weight gradient is one GEMM that sums all tokens in fp32 and rounds once. A bf16 running
   sum would add one rounding of the running total per chunk. The number of chunks grows with the
-  sequence length (122 chunks at 500k tokens for Llama-3-8B), and long sequences are what tiling is for.
+  sequence length (123 chunks at 500k tokens for Llama-3-8B), and long sequences are what tiling is for.
   The price is 4 bytes per MLP parameter during this layer's backward instead of 2: 0.33 GiB more for
-  Llama-3-8B's MLP (measured), a constant while the saving grows with the sequence. With one chunk
+  Llama-3-8B's MLP (3 x 4096 x 14336 parameters x 2 bytes), a constant while the saving grows with the sequence. With one chunk
   there is no sum at all, and x's gradient is the chunk's own, not a copy.
 - The parameters are kept on ctx, not in save_for_backward, so that saved-tensor hooks (CPU offload of
   activations, which ALST pairs with tiling) move x and never the weights.
@@ -78,19 +78,21 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
+from memplan.rules import tiled_mlp_chunk
+
+from .backend import pick, triton_module
+
 ACTS = ("silu", "gelu_tanh")
-BACKENDS = ("auto", "triton", "torch")
 _ORIGINAL = "_memplan_mlp_original_forward"
 _CHUNK = "_memplan_mlp_chunk_tokens"
 
 
 def default_chunk(hidden: int) -> int:
-    """Tokens per chunk: the ALST rule (module docstring), a chunk's intermediate tensor as large as one
-    hidden x intermediate weight matrix."""
-    return max(1, hidden)
+    """Tokens per chunk: the ALST rule (module docstring; memplan.rules.tiled_mlp_chunk, which the
+    planner's activation model uses too)."""
+    return tiled_mlp_chunk(hidden)
 
 
 # -- tiled MLP ------------------------------------------------------------------------------------------
@@ -256,9 +258,7 @@ class GatedAct(torch.autograd.Function):
         ctx.save_for_backward(gate, up)  # not act(gate): backward recomputes it
         ctx.cfg = (act, backend)
         if backend == "triton":
-            from . import triton_mlp
-
-            return triton_mlp.forward(gate, up, act)
+            return triton_module("triton_mlp").forward(gate, up, act)
         return _act(gate, act) * up
 
     @staticmethod
@@ -267,9 +267,7 @@ class GatedAct(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         act, backend = ctx.cfg
         if backend == "triton":
-            from . import triton_mlp
-
-            d_gate, d_up = triton_mlp.backward(gate, up, grad_out, act)
+            d_gate, d_up = triton_module("triton_mlp").backward(gate, up, grad_out, act)
         else:
             # the eager ops and roundings, in the inputs' dtype: no fp32 copies of b*s x intermediate tensors
             d_up = grad_out * _act(gate, act)
@@ -278,31 +276,8 @@ class GatedAct(torch.autograd.Function):
 
 
 def _backend(backend: str, t: torch.Tensor) -> str:
-    """"triton" or "torch" for `backend` and these tensors."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        # fake tensors (memplan's tracer) keep the PyTorch path: a kernel launch needs real memory; fp64
-        # (a test's exact reference) too, as the kernels compute in fp32
-        if not t.is_cuda or is_fake(t) or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return "torch"
-        try:
-            from . import triton_mlp  # noqa: F401
-        except ImportError:  # no triton (not Linux, or not installed)
-            return "torch"
-        return "triton"
-    try:
-        from . import triton_mlp
-    except ImportError as e:
-        raise ValueError(f"backend='triton' needs triton, which does not import here: {e}") from e
-    if not t.is_cuda and not triton_mlp.INTERPRETED:
-        raise ValueError("backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
-                         "memplan.kernels.triton_mlp is first imported (Triton's interpreter)")
-    if t.dtype not in triton_mlp.DTYPES:
-        raise ValueError(f"backend='triton' takes fp32, fp16 or bf16 tensors, not {t.dtype}")
-    return "triton"
+    """"triton" or "torch" for `backend` and these tensors (kernels/backend.py)."""
+    return "triton" if pick(backend, (t,), "triton_mlp") else "torch"
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", backend: str = "auto") -> torch.Tensor:

@@ -107,7 +107,7 @@ def _tile_mlps(model: torch.nn.Module, model_type: str, chunk: int | None) -> li
                 # is token-wise; BertLayer.forward calls it through apply_chunking_to_forward
                 setattr(m, _FFN, _tiled_feed_forward(m, chunk))
                 out.append(m)
-        elif type(m).__name__.endswith("MLP") and not type(m).__name__.endswith("SparseMoeBlock"):
+        elif type(m).__name__.endswith("MLP"):  # LlamaMLP, GPT2MLP, ... (these families have dense MLPs only)
             act = _gated_act_name(m)
             if act is not None:  # a gated MLP: act(gate) * up through gated_act (Triton on CUDA)
                 m.forward = _gated_forward(m, act)
@@ -149,10 +149,10 @@ def _tiled_feed_forward(layer: torch.nn.Module, chunk: int | None):
 
 def _use_tiled_attention(model: torch.nn.Module) -> str:
     """Switch the model to the "memplan" attn_implementation; return the one it had."""
-    from .attention import NAME, register
+    from .attention import DROPOUT_FIELDS, NAME, register
 
     config = model.config
-    for field in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+    for field in DROPOUT_FIELDS:
         if getattr(config, field, 0) and model.training:
             raise ValueError(f"memplan.kernels.apply(attention=True): the tiled attention has no attention dropout; "
                              f"set config.{field} = 0 (it is {getattr(config, field)})")

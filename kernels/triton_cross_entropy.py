@@ -51,7 +51,7 @@ log-sum-exp and all sums are fp32; d is cast to the input dtype before each grad
 autograd and the PyTorch path's `d.to(weight.dtype) @ w` do. fp32 inputs multiply in IEEE fp32 unless
 torch.set_float32_matmul_precision allows TF32, as for torch's own fp32 matmuls.
 
-Tiles: on CUDA `triton.autotune` picks among a few configs per (H, V, soft-capping, dtype); under Triton's interpreter
+Tiles: on CUDA `triton.autotune` picks among a few configs per (H, V, soft-capping, dtype, bias, gradients); under Triton's interpreter
 (TRITON_INTERPRET=1 set before this module is imported, how the CPU test suite runs it) one small fixed
 config, since autotuning there would run every config on the slow interpreter. `Tiles` overrides both.
 `tl.dot` needs every tile dimension >= 16; N, V and H need not be multiples of the tiles (masked).
@@ -331,7 +331,7 @@ def _block_rows(tiles: Tiles | None, configs, key: str) -> int:
     return max(c.kwargs[key] for c in configs)
 
 
-def _common(hidden, weight, bias, softcap):
+def _common(hidden, bias, softcap):
     return dict(HAS_SOFTCAP=softcap is not None, HAS_BIAS=bias is not None, PRECISION=_precision(hidden.dtype),
                 UPCAST=INTERPRETED)
 
@@ -354,7 +354,7 @@ def _forward(hidden, weight, bias, targets, ignore_index, softcap, tiles):
         return loss, lse
     _launch(_forward_kernel, _FORWARD_CONFIGS, tiles, lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),),
             hidden, weight, _bias_arg(bias, weight), targets, loss, lse, n, v, h, *_strides(hidden, weight),
-            ignore_index, 1.0 if softcap is None else float(softcap), **_common(hidden, weight, bias, softcap))
+            ignore_index, 1.0 if softcap is None else float(softcap), **_common(hidden, bias, softcap))
     return loss, lse
 
 
@@ -376,7 +376,7 @@ def _grad(kernel, key, outs, flags, hidden, weight, bias, targets, lse, g_tok, s
     _launch(kernel, _GRAD_CONFIGS, tiles, lambda meta: (min(programs, triton.cdiv(rows, meta[key])),),
             hidden, weight, _bias_arg(bias, weight), targets, lse, g_tok, *outs, scratch, n, v, h,
             *_strides(hidden, weight), 1.0 if softcap is None else float(softcap),
-            **_common(hidden, weight, bias, softcap), **flags)
+            **_common(hidden, bias, softcap), **flags)
 
 
 class TritonLinearCrossEntropy(torch.autograd.Function):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .modelspec import ModelSpec
-from .rules import PRECISIONS, Precision, activation_saved_bytes, fused_loss_blocks
+from .rules import Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk
 
 # Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
 SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
@@ -190,6 +190,8 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
            s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
     h, T = spec.hidden_size, b * s
     n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
+    if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
+        n_norms -= TILED_MLP_NORMS.get(spec.model_type, 0)
     out: list[Tensors] = []
     for _ in range(n_norms):
         out += _norm(spec, T, prec)
@@ -203,8 +205,7 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _moe(spec, T, prec)
     elif tiled_mlp:
         # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
-        # norm output, in the residual dtype); the norms inside the tiled region keep nothing either
-        out = _drop_norms(spec, out, TILED_MLP_NORMS.get(spec.model_type, 0))
+        # norm output, in the residual dtype)
         out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
     else:
         out += _mlp_block(spec, T, prec)
@@ -219,30 +220,12 @@ def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     return _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input") + _mlp(spec, T, prec)
 
 
-def _drop_norms(spec: ModelSpec, ts: list[Tensors], n: int) -> list[Tensors]:
-    """`ts` less the saved terms of `n` norms (one norm's terms each time)."""
-    if not n:
-        return ts
-    one = _norm(spec, 1, PRECISIONS["fp32"])  # the names and counts of one norm's terms
-    out = list(ts)
-    for _ in range(n):
-        for t in one:
-            i = next(i for i in range(len(out) - 1, -1, -1) if out[i].name == t.name)
-            del out[i]
-    return out
-
-
-def tiled_mlp_chunk(spec: ModelSpec) -> int:
-    """Tokens per chunk of memplan.kernels' tiled MLP: its default, `hidden` tokens (kernels/mlp.py)."""
-    return max(1, spec.hidden_size)
-
-
 def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     """One layer's tiled-MLP backward: one chunk's recomputed MLP (what it saves, its output and its
     gradient buffers) and, over several chunks, x's gradient and the fp32 sums of the MLP's parameter
     gradients (kernels/mlp.py, TiledMLP.backward)."""
     h, f, p = spec.hidden_size, spec.intermediate_size, prec.act
-    c = min(T, tiled_mlp_chunk(spec))
+    c = min(T, tiled_mlp_chunk(h))
     if spec.mlp == "gated" and spec.activation in GATED_ACT_KERNEL:
         # apply() runs act(gate) * up through memplan.kernels.gated_act, which saves gate and up only
         n_up = UP_LINEARS_GATED.get(spec.model_type, 2)

@@ -217,6 +217,14 @@ FUSED_LOSS_CHUNK_BYTES = 64 << 20
 # causal-LM families memplan.kernels.apply patches: model_type -> attribute of the base model
 FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
                        "gpt2": "transformer"}
+def tiled_mlp_chunk(hidden: int) -> int:
+    """Tokens per chunk of memplan.kernels' tiled MLP: `hidden` tokens, the rule of Arctic Long Sequence
+    Training (Bekman et al. 2025: ceil(seqlen / hidden) shards), so a chunk's intermediate tensor is the
+    size of one hidden x intermediate weight matrix at any sequence length. The kernel (kernels/mlp.py)
+    and the activation model both size their chunks here."""
+    return max(1, hidden)
+
+
 # masked-LM families whose head (transform, then a decoder with a bias) apply() gives the fused loss:
 # model_type -> the base model's attribute
 FUSED_LOSS_MASKED_LM = {"bert": "bert"}

@@ -18,9 +18,10 @@ from hypothesis import given, settings, strategies as st
 from tolerance import assert_within_own_error  # tests/tolerance.py
 
 from memplan.kernels import attention as attn_mod
+from memplan.kernels.backend import triton_module
 from memplan.kernels.attention import attention, reference
 
-TRITON = attn_mod._triton() is not None
+TRITON = triton_module("triton_attention") is not None
 needs_triton = pytest.mark.skipif(not TRITON, reason="triton does not import")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton tests: the GPU, or the interpreter on CPU
 
@@ -176,7 +177,7 @@ def test_errors():
 @needs_triton
 def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
     q, k, v, _, _ = data(1, 2, 2, 8, 8, 16)
-    monkeypatch.setattr(attn_mod._triton(), "INTERPRETED", False)
+    monkeypatch.setattr(triton_module("triton_attention"), "INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         attention(q, k, v, backend="triton")
 

@@ -94,14 +94,12 @@ def test_bias_bf16_within_the_references_own_error(reduction, softcap, small_blo
     assert_within_own_error(tiled, ref, exact)
 
 
-def test_bias_none_and_zero_bias_keep_todays_results(small_blocks):
-    """bias=None is the biasless path, bit for bit; a zero bias gives the same loss and hidden/weight
-    gradients, and the bias gradient is d summed over tokens (reference's)."""
+def test_zero_bias_gives_the_biasless_results(small_blocks):
+    """A zero bias gives the loss and hidden/weight gradients of no bias, and the bias gradient is d
+    summed over tokens (reference's)."""
     h, w, t = data(37, 16, 61, torch.float32)
     for kw in (dict(), dict(softcap=5.0, reduction="sum")):
         plain = run(linear_cross_entropy, h, w, t, chunk_size=6, **kw)
-        none = run(lambda *a, **k: linear_cross_entropy(*a, bias=None, **k), h, w, t, chunk_size=6, **kw)
-        assert all(torch.equal(x, y) for x, y in zip(plain, none))
         zero = run_bias(linear_cross_entropy, h, w, torch.zeros(61), t, chunk_size=6, **kw)
         for x, y in zip(zero[:3], plain):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
@@ -280,9 +278,9 @@ def test_suggest_turns_the_fused_loss_on_where_it_fits_more():
     s = memplan.suggest("llama-3.2-1b", "a10g-24g", seq_len=4096, global_batch=16, top=1)
     assert "kernels" in s.searched
     plain = memplan.suggest("llama-3.2-1b", "a10g-24g", seq_len=4096, global_batch=16, top=1, kernels=False)
-    if s.plans[0].kernels:
-        assert any("memplan.kernels.apply" in n for n in s.notes)
-        assert s.plans[0].samples_per_s >= plain.plans[0].samples_per_s
+    assert s.plans[0].kernels
+    assert any("memplan.kernels.apply" in n for n in s.notes)
+    assert s.plans[0].samples_per_s >= plain.plans[0].samples_per_s
 
 
 @pytest.mark.parametrize("model, mb, seq, kw", [
