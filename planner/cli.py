@@ -43,7 +43,8 @@ def common_options(f, required: bool = True):
                      "(encoders) / 2048 (decoders)]"),
         click.option("--optim", help="HF TrainingArguments optim name or 'adamw' [default: adamw_torch_fused]"),
         click.option("--optim-args", help="optimizer arguments, e.g. 'momentum=0.9' for sgd"),
-        click.option("--attn", help="eager, sdpa, flash (transformers attn_implementation names accepted)"),
+        click.option("--attn", help="eager, sdpa, flash, memplan (memplan.kernels' tiled attention; transformers "
+                     "attn_implementation names accepted)"),
         click.option("--head", help="model head: causal-lm, sequence-classification, seq2seq-lm, "
                      "image-classification, masked-lm, token-classification, question-answering, base"),
         click.option("--zero-grad", type=click.Choice(["set-to-none", "zeros"]), default="set-to-none",

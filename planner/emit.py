@@ -5,7 +5,7 @@
   counted (memplan.parallel.ds_buckets), explicit rather than "auto" so the file and the estimate agree;
 - `accelerate_config(plan, spec)`: the YAML for `accelerate launch --config_file` (DeepSpeed, FSDP,
   multi-GPU or single GPU);
-- `write(plan, spec, directory)`: the files, written atomically, never over a user's file without
+- `write(files, directory, force=False)`: the files, written atomically, never over a user's file without
   `force`, with a `plan.json` sidecar carrying the memplan version, the plan and the predicted peak.
 """
 

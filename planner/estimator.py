@@ -362,9 +362,9 @@ def _train_precision(w: Workload):
 
 
 class StageStates(NamedTuple):
-    """Everything of one pipeline stage's GPU that does not depend on the micro batch."""
+    """Everything of one pipeline stage's GPU that does not depend on the micro batch (all numbers: the
+    search's table stacks them as one array)."""
 
-    groups: list[ParamGroup]
     weights: int
     grads: int
     states: int
@@ -427,19 +427,19 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
         grads_persistent = False
         persistent = _persistent_tensors(spec, w, groups)
     c_all, c_head, c_mlp = _autocast_copies(groups, tied) if prec.autocast else (0, 0, 0)
-    return StageStates(groups, weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
+    return StageStates(weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
                        c_all, c_head, c_mlp, _head_grads(groups, tied, prec.grad), _segments(persistent),
                        numel(groups), *stage_layers(spec, w.pp, stage))
 
 
 class StageActs(NamedTuple):
-    """Rounded byte sums of one micro batch's activation lists (see ActivationModel)."""
+    """Rounded byte sums of one micro batch's activation lists (ACT_SUMS, see ActivationModel)."""
 
     am: ActivationModel
     layer: int
     decoder_layer: int
     embed: int
-    head: int
+    head_saved: int
     lsm: int
     layer_input: int
     layer_core: int
@@ -457,11 +457,21 @@ def _stage_acts(spec: ModelSpec, w: Workload, mb: int) -> StageActs:
         am = training_activations(spec, mb, w.seq_len, prec, w.attn,
                                   selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
                                   sp=w.sp, fused_loss=w.kernels, tiled_mlp=w.tiled_mlp)
-        r = _rounded_tensors
-        return StageActs(am, r(am.layer), r(am.decoder_layer), r(am.embed), r(am.head_saved),
-                         r([t for t in am.head_saved if t.name.startswith("log_softmax")]), r(am.layer_input),
-                         r(am.layer_core), r(am.loss_forward), r(am.loss_backward), r(am.layer_backward))
+        return StageActs(am, *(_rounded_tensors(act_list(am, name)) for name in ACT_SUMS))
     return _memo(spec, key, make)
+
+
+ACT_SUMS = StageActs._fields[1:]  # the activation lists summed per micro batch (the table sums the same)
+
+
+def is_log_softmax(t: Tensors) -> bool:
+    """The loss's saved log_softmax output: part of head_saved, freed during the last layer's backward."""
+    return t.name.startswith("log_softmax")
+
+
+def act_list(am: ActivationModel, name: str) -> list[Tensors]:
+    """One of ACT_SUMS' lists of an activation model (lsm: the log_softmax output within head_saved)."""
+    return [t for t in am.head_saved if is_log_softmax(t)] if name == "lsm" else getattr(am, name)
 
 
 class StageNumbers(NamedTuple):
@@ -492,7 +502,7 @@ def _stage_numbers(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int) ->
     n_layers = n_enc + n_dec
     flight = in_flight(w, stage, m) if w.pp > 1 else 1
     embed_b = sa.embed if first else 0
-    head_b = sa.head if last else 0
+    head_b = sa.head_saved if last else 0
     lsm = sa.lsm if last else 0
     if w.grad_ckpt == "full":
         acts = flight * (n_layers * sa.layer_input + embed_b) + head_b
@@ -553,12 +563,6 @@ def _act_segments(spec: ModelSpec, w: Workload, stage: int, am: ActivationModel,
 
 
 STEP_PHASES = ("optimizer-step", "backward-end")
-
-
-def _activation_bytes(n: StageNumbers) -> int:
-    """Activations + transient at the peak moment: the churn the fragmentation allowance scales with."""
-    acts = 0 if n.peak_phase in STEP_PHASES else n.acts - (n.lsm if n.peak_phase == "backward-layer" else 0)
-    return acts + n.transient[n.peak_phase]
 
 
 def _training_stage(spec: ModelSpec, w: Workload, stage: int, mb: int, m: int):

@@ -75,7 +75,8 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:+.1f} GiB"
 
 
-def _sharding_label(zero: int, fsdp: str) -> str:
+def sharding_label(zero: int, fsdp: str) -> str:
+    """How a plan shards its states, as every table and line names it."""
     return f"FSDP {fsdp}" if fsdp != "none" else (f"ZeRO-{zero}" if zero else "DDP")
 
 
@@ -85,7 +86,7 @@ def _value(w: Workload, knob: str):
 
 def _knob(knob: str, v) -> str:
     if knob == "sharding":
-        return _sharding_label(*v)
+        return sharding_label(*v)
     return {"offload": f"offload {v}", "tp": f"TP {v}", "pp": f"PP {v}", "sp": f"SP {'on' if v else 'off'}",
             "grad_ckpt": f"checkpointing {v}", "attn": f"attention {v}", "vpp": f"interleave x{v}",
             "kernels": f"fused loss {'on' if v else 'off'}", "tiled_mlp": f"tiled MLP {'on' if v else 'off'}"}[knob]

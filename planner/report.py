@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .estimator import MemoryBreakdown
+from .ranking import sharding_label
 from .search import Suggestion
 
 GIB = 1 << 30
@@ -105,7 +106,7 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
         if multi:
             c.print(f"layout: dp {best.dp} x tp {best.tp}{' + SP' if best.sp else ''} x pp {best.pp}"
                     f"{f' (interleaved x{best.vpp})' if best.vpp > 1 else ''}, "
-                    f"{f'FSDP {best.fsdp}' if best.fsdp != 'none' else f'ZeRO-{best.zero_stage}'}, offload "
+                    f"{sharding_label(best.zero_stage, best.fsdp)}, offload "
                     f"{best.offload}; MFU {best.mfu:.0%}; step {best.step_seconds:.2f} s = "
                     + ", ".join(f"{k} {v:.2f}" for k, v in best.step_terms.items() if v))
         if s.why:
@@ -113,7 +114,8 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
             for line in s.why:
                 c.print(f"  {line}")
         if len(s.pareto) > 1:
-            c.print(f"[bold]Pareto front[/] (memory vs speed, {len(s.pareto)} plans):")
+            c.print(f"[bold]Pareto front[/] (memory vs speed: the {len(s.pareto)} with the least memory of its "
+                    f"{s.pareto_size} plans):")
             _plan_table(c, s.pareto, train, multi)
     for a in s.alternatives:
         c.print(f"also fits: {a.change}: {a.gain}")
@@ -163,7 +165,7 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
                  else (str(p.micro_batch), p.precision, p.attn))
         if multi:
             knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
-                      p.fsdp if p.fsdp != "none" else f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP",
+                      sharding_label(p.zero_stage, p.fsdp),
                       p.offload)
         if kernels:
             knobs += ("+".join(k for k, on in (("loss", p.kernels), ("mlp", p.tiled_mlp)) if on) or "-",)

@@ -30,7 +30,7 @@ from .cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
 from .ranking import Candidate, distinct, explain, pareto, rank_key
 from .errors import UserError
 from .estimator import (
-    MemoryBreakdown, check_hardware, fused_loss_supported, peak, report, supported_attn, tiled_mlp_supported,
+    MemoryBreakdown, check_hardware, check_support, fused_loss_supported, peak, report, supported_attn, tiled_mlp_supported,
     tp_problem,
 )
 from .modelspec import ModelSpec
@@ -132,7 +132,10 @@ class Suggestion(BaseModel):
     candidates: int  # evaluated: every setting of every knob, its memory estimated and its step time modelled
     search_seconds: float = 0.0
     plans: list[Plan]
-    pareto: list[Plan] = []  # fitting plans no other plan beats on both memory and speed, least memory first
+    # fitting plans no other plan beats on both memory and speed, least memory first: the 12 with the least
+    # memory of the front (pareto_size says how many it has)
+    pareto: list[Plan] = []
+    pareto_size: int = 0
     why: list[str] = []  # for the first plan: what each alternative would cost
     alternatives: list[Alternative]
     notes: list[str]
@@ -248,6 +251,7 @@ def _bases(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gpus: int, nod
                             grad_ckpt=ckpt, attn=attn, gpus=gpus, nodes=nodes, tp=tp, pp=pp, vpp=vpp, sp=sp,
                             zero=zero, offload=offload, fsdp=fsdp, kernels=fused, tiled_mlp=tiled, **common)
             check_hardware(gpu, base)
+            check_support(spec, base)  # what estimate refuses is not a plan (e.g. --kernels on a model without it)
         except (ValidationError, UserError):
             continue
         yield base
@@ -316,7 +320,7 @@ def _without_gc(fn):
     """Run `fn` with the cyclic garbage collector paused. The search allocates about a million small,
     short-lived objects (workloads, tuples, arrays; freed by reference counting, no cycles), and each
     collection those allocations trigger walks the whole heap of the process, torch's and transformers'
-    objects included: that doubled the time of a first search (docs/cost-model.md, search speed)."""
+    objects included (docs/cost-model.md, search speed)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if not gc.isenabled():
@@ -345,6 +349,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
     if objective not in OBJECTIVES:
         raise UserError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})")
     defaults: list[str] = []
+    if task == "train" and (kernels or tiled_mlp):  # asked for by name: refused as estimate refuses it
+        check_support(spec, Workload(task=task, kernels=bool(kernels), tiled_mlp=bool(tiled_mlp)))
     seq = seq_len or default_seq_len(spec, task)
     if seq_len is None:
         defaults.append(f"seq-len {seq} ({'image patches + CLS' if spec.arch == 'vision' else 'model maximum, capped'})")
@@ -384,7 +390,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         sps=[s == "on" for s in _parse_choice(sp, ("off", "on"), ["off", "on"], "sp")],
         vpps=_parse_ints(vpp, [1, 2], "vpp"),
         # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
-        fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train and zero is None else ["none"], "fsdp"),
+        fsdps=_parse_choice(fsdp, FSDPS, list(FSDPS) if train and zero is None and world > 1 else ["none"], "fsdp"),
         # the fused loss is searched on one GPU where memplan.kernels.apply can patch the model (the
         # logits weigh most there); over several GPUs when asked (--kernels), to keep the search fast
         kernels=[bool(kernels)] if kernels is not None else
@@ -420,7 +426,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
                 break
     found.sort(key=lambda c: rank_key(c, objective))
     plans = [_plan(spec, gpu, c) for c in distinct(found, top)]
-    front = [_plan(spec, gpu, c) for c in pareto(found)][:12]
+    whole_front = pareto(found)
+    front = [_plan(spec, gpu, c) for c in whole_front[:12]]
     why = explain(found[0], found, space) if found else []
     if found and (found[0].base.kernels or found[0].base.tiled_mlp):
         # what the kernels buy: the best plan without them (found is ranked)
@@ -485,7 +492,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, *, task: str = "train", seq_len: i
         searched["tiled_mlp"] = ["off", "on"]
     return Suggestion(model=spec.name, gpu=gpu.name, task=task, seq_len=seq, global_batch=gb, gpus=shown_world[0],
                       nodes=shown_world[1], objective=objective, defaults=defaults, searched=searched, candidates=n,
-                      search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, why=why,
+                      search_seconds=time.perf_counter() - t0, plans=plans, pareto=front, pareto_size=len(whole_front), why=why,
                       alternatives=alternatives, notes=notes)
 
 

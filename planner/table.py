@@ -17,7 +17,7 @@ from . import cost
 from .activations import training_activations
 from .estimator import (
     ACTIVATION_FRAGMENTATION, CUBLAS_WORKSPACE, _act_segments, _memo, _stage_acts, _stage_states,
-    _tied_grad_sum, _train_precision, half_model, StageActs, StageStates,
+    ACT_SUMS, _tied_grad_sum, _train_precision, half_model, is_log_softmax, StageActs, StageStates,
 )
 from .modelspec import ModelSpec
 from .profiles import GPUProfile
@@ -57,8 +57,8 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
         one = _stage_states(spec, w, stage, False)
         sts.append((one, _stage_states(spec, w, stage, True) if w.offload != "none" and w.zero in (1, 2) else one))
     # every numeric field of the stage states, (B, 2, F): without and with gradient accumulation
-    numeric = np.array([[s[0][1:], s[1][1:]] for s in sts], dtype=np.int64)
-    position = {name: i - 1 for i, name in enumerate(StageStates._fields)}
+    numeric = np.array([[s[0], s[1]] for s in sts], dtype=np.int64)
+    position = {name: i for i, name in enumerate(StageStates._fields)}
 
     # (B, K, F): each cell's states, with accumulation where the cell accumulates (one numpy call, not one
     # per field)
@@ -99,7 +99,7 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
     else:
         flight = np.ones((B, K))
     embed_b = sa_field("embed") if first else np.zeros((B, K), np.int64)
-    head_b = sa_field("head") if last else np.zeros((B, K), np.int64)
+    head_b = sa_field("head_saved") if last else np.zeros((B, K), np.int64)
     lsm = sa_field("lsm") if last else np.zeros((B, K), np.int64)
     full = _col([w.grad_ckpt == "full" for w in bases]).astype(bool)
     selective = _col([w.grad_ckpt == "selective" for w in bases]).astype(bool)
@@ -148,13 +148,12 @@ def _stage(spec: ModelSpec, bases: list[Workload], stage: int, mbs: np.ndarray, 
 # -- the activation models over the micro batches ------------------------------------------------------
 # Every activation term is affine in the micro batch b: activations.py builds each from T = b*s, b*a*s*s,
 # b*s*E ..., and a few are shared by the batch (T5's position bias), except the blocks of memplan's
-# kernels (the fused loss, the tiled MLP), whose sizes depend on the token count. So the models at b = 1 and b = 2, before tensor-parallel
-# sharding, give every micro batch's tensors as (c + mb * x) / tp, the same float the scalar path
+# kernels (the fused loss, the tiled MLP), whose sizes depend on the token count. So the models at b = 1
+# and b = 2, before tensor-parallel sharding, give every micro batch's tensors as (c + mb * x) / tp, the same float the scalar path
 # computes as bytes(mb) / tp (tests/test_table.py checks this over the catalog); the allocator's
 # rounding is then applied per tensor, for all the distinct activation models of a layout and all micro
 # batches at once.
-_LISTS = ("layer", "decoder_layer", "embed", "head_saved", "lsm", "layer_input", "layer_core", "loss_forward",
-          "loss_backward", "layer_backward")  # StageActs' sums, in its order
+_LISTS = ACT_SUMS  # StageActs' sums, in its order
 _LIST = {name: i for i, name in enumerate(_LISTS)}
 _MOMENT_LIST = {"forward-loss": _LIST["loss_forward"], "backward-start": _LIST["loss_backward"],
                 "backward-layer": _LIST["layer_backward"]}
@@ -166,8 +165,18 @@ class _Units(NamedTuple):
     c: np.ndarray  # (T,) float64 bytes of one tensor that do not grow with the batch
     x: np.ndarray  # (T,) float64 bytes of one tensor per sequence of the micro batch
     count: np.ndarray  # (T,) int64
-    rep: np.ndarray  # (T,) bool: replicated under TP unless SP (activations.shard); after _stacked, the divisor
+    rep: np.ndarray  # (T,) bool: replicated under TP unless SP (activations.shard)
     member: np.ndarray  # (T, F) int64: 1 where the tensor belongs to list f (lsm is part of head_saved)
+
+
+class _Stack(NamedTuple):
+    """The units of a layout's distinct activation models, padded to one width T: (R, T) arrays."""
+
+    c: np.ndarray
+    x: np.ndarray
+    count: np.ndarray
+    div: np.ndarray  # int64: tp where the tensor is sharded, else 1
+    member: np.ndarray  # (R, T, F)
 
 
 def _units(spec: ModelSpec, w: Workload) -> _Units:
@@ -185,7 +194,7 @@ def _units(spec: ModelSpec, w: Workload) -> _Units:
                 every.append((t, t2))
                 row = [0] * len(_LISTS)
                 row[_LIST[name]] = 1
-                if name == "head_saved" and t.name.startswith("log_softmax"):
+                if name == "head_saved" and is_log_softmax(t):
                     row[_LIST["lsm"]] = 1
                 rows.append(row)
         n1 = np.array([float(t.nbytes) for t, _ in every])
@@ -195,9 +204,8 @@ def _units(spec: ModelSpec, w: Workload) -> _Units:
     return _memo(spec, key, make)
 
 
-def _stacked(spec: ModelSpec, reps: list[Workload]) -> _Units:
-    """The reps' units padded to one width (a padding tensor has 0 bytes and belongs to no list), with
-    each tensor's divisor under tensor parallelism in place of `rep`."""
+def _stacked(spec: ModelSpec, reps: list[Workload]) -> _Stack:
+    """The reps' units padded to one width (a padding tensor has 0 bytes and belongs to no list)."""
     us = [_units(spec, w) for w in reps]
     width = max(len(u.x) for u in us)
     R = len(us)
@@ -209,7 +217,7 @@ def _stacked(spec: ModelSpec, reps: list[Workload]) -> _Units:
         c[r, :n], x[r, :n], count[r, :n], member[r, :n] = u.c, u.x, u.count, u.member
         if w.tp > 1:
             div[r, :n] = np.where(u.rep & (not w.sp), 1, w.tp)
-    return _Units(c, x, count, div, member)
+    return _Stack(c, x, count, div, member)
 
 
 def _round_block(nbytes: np.ndarray) -> np.ndarray:
@@ -218,10 +226,10 @@ def _round_block(nbytes: np.ndarray) -> np.ndarray:
     return np.where(n > 0, -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK, 0)
 
 
-def _act_sums(spec: ModelSpec, reps: list[Workload], u: _Units, mbs: np.ndarray) -> np.ndarray:
+def _act_sums(spec: ModelSpec, reps: list[Workload], u: _Stack, mbs: np.ndarray) -> np.ndarray:
     """(R, K, F): estimator._stage_acts' rounded sums (StageActs[1:]) of every rep at every micro batch
     (u: `_stacked(reps)`)."""
-    n = _round_block((u.c[:, None, :] + mbs[None, :, None] * u.x[:, None, :]) / u.rep[:, None, :])  # (R, K, T)
+    n = _round_block((u.c[:, None, :] + mbs[None, :, None] * u.x[:, None, :]) / u.div[:, None, :])  # (R, K, T)
     sums = np.einsum("rkt,rtf->rkf", n * u.count[:, None, :], u.member)
     for r, w in enumerate(reps):
         if w.kernels or w.tiled_mlp:  # blocks sized by the token count: the scalar path, one model per micro batch
@@ -229,12 +237,12 @@ def _act_sums(spec: ModelSpec, reps: list[Workload], u: _Units, mbs: np.ndarray)
     return sums
 
 
-def _segments(spec: ModelSpec, reps: list[Workload], u: _Units, stage: int, r: np.ndarray, mb: np.ndarray,
+def _segments(spec: ModelSpec, reps: list[Workload], u: _Stack, stage: int, r: np.ndarray, mb: np.ndarray,
               moment: np.ndarray, copies: np.ndarray) -> np.ndarray:
     """estimator._act_segments at U (rep r, micro batch mb, moment (index into PHASES), copies) points:
     the segments of the activation tensors alive at that moment."""
     first, last = stage == 0, stage == reps[0].pp - 1
-    n = _round_block((u.c[r] + mb[:, None] * u.x[r]) / u.rep[r])  # (U, T)
+    n = _round_block((u.c[r] + mb[:, None] * u.x[r]) / u.div[r])  # (U, T)
     # how many of each tensor are alive: its lists' multiplicities at that point
     mult = np.zeros((len(r), len(_LISTS)), np.int64)
     full = np.array([w.grad_ckpt == "full" for w in reps])[r]
