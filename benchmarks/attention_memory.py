@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cli_suggest import machine, save  # same folder: run as python benchmarks/attention_memory.py
 from memplan.kernels.attention import attention, reference
-from memplan.tracer import LiveTracker
+from memplan.verify.tracer import LiveTracker
 
 
 def peak(fn, batch: int, heads: int, head_dim: int, seq: int) -> dict:

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from cli_suggest import machine, save  # same folder: run as python benchmarks/kernel_memory.py
 from memplan.kernels import linear_cross_entropy
 from memplan.kernels.cross_entropy import reference
-from memplan.tracer import LiveTracker
+from memplan.verify.tracer import LiveTracker
 
 
 def peak(fn, hidden: int, vocab: int, tokens: int) -> dict:

@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cli_suggest import machine, save  # same folder: run as python benchmarks/mlp_memory.py
 from memplan.kernels.mlp import default_chunk, gated_act, reference_gated, tiled_mlp
-from memplan.rules import round_block
-from memplan.tracer import LiveTracker
+from memplan.estimator.rules import round_block
+from memplan.verify.tracer import LiveTracker
 
 
 def eager_mlp(x, wg, wu, wd):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 
 import memplan
-from memplan.cost import flops_per_token
-from memplan.modelspec import megatron_gpt
-from memplan.search import suggest
+from memplan.search.cost import flops_per_token
+from memplan.inputs.modelspec import megatron_gpt
+from memplan.search.suggestion import suggest
 
 from cli_suggest import machine, save  # same folder: run as python benchmarks/published.py
 

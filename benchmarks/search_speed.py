@@ -8,8 +8,8 @@
    (layout, ZeRO, offload, SP, interleaving, precision, optimizer, checkpointing, attention, micro
    batch) whose per-GPU memory was estimated and, if it fits, whose step time was modelled. Cold:
    the first search of a process (the estimator's per-model caches empty), timed after the imports
-   (memplan.table's numpy takes ~0.08 s to import; the CLI times in 1. include it); warm: the same
-   search again. Every candidate is evaluated (memplan.table): none is pruned.
+   (memplan.estimator.table's numpy takes ~0.08 s to import; the CLI times in 1. include it); warm: the same
+   search again. Every candidate is evaluated (memplan.estimator.table): none is pruned.
 3. Llama 3.1 405B on 1024 H100s (128 nodes of 8), seq 8192, global batch 2048.
 """
 
@@ -40,7 +40,8 @@ SEARCHES = {
 SEARCH_CHILD = """
 import json, sys, time
 import memplan
-from memplan import search, table  # imported before the clock starts: the search itself is timed
+from memplan.search import suggestion as search  # imported before the clock starts: the search itself is timed
+from memplan.estimator import table
 model, gpu, gpus, nodes, seq, batch = json.loads(sys.argv[1])
 spec, prof = memplan.resolve_model(model), memplan.load_gpu(gpu)
 out = []

@@ -7,14 +7,14 @@ sequence 512, fp32, eager attention, AdamW(foreach=True), two optimizer steps (t
 optimizer state). Each step is HF Trainer's: forward with the labels -> loss, loss.backward(),
 clip_grad_norm_(1.0), optimizer.step(), optimizer.zero_grad() (set to None).
 
-- memplan: `memplan.verify.run_traced(..., "fake", 2)`: model built on meta and materialized as FakeTensors,
+- memplan: `memplan.verify.run.run_traced(..., "fake", 2)`: model built on meta and materialized as FakeTensors,
   every storage recorded by `tracer.LiveTracker` under `cudasim.CudaSemantics` (what the step keeps on a
   CUDA GPU, here a V100: sm 7.0), then replayed once to find the peak.
 - MemTracker: `torch.distributed._tools.mem_tracker.MemTracker` under `FakeTensorMode`, used as its docs
   and tests (test/distributed/_tools/test_mem_tracker.py) show: `track_external(model, optimizer)`, the
   steps inside `with tracker`, `reset_mod_stats()` after the first step (without it the second forward of
   the root module raises NotImplementedError), then `get_tracker_snapshot("peak")[device]["Total"]`.
-  The model is built by `memplan.hf.build_model` (transformers' from_config) inside FakeTensorMode on
+  The model is built by `memplan.inputs.hf.build_model` (transformers' from_config) inside FakeTensorMode on
   the CPU device; a CPU-only torch cannot index or move fake CUDA tensors, so that is the device it gets.
 
 Each run is a fresh subprocess, so import caches and warm state favour neither side. The child imports
@@ -60,14 +60,14 @@ def preload(config) -> None:
     mt = config["model_type"]
     for name in ("torch", "transformers", f"transformers.models.{mt}.modeling_{mt}",
                  "torch._subclasses.fake_tensor", "torch.distributed._tools.mem_tracker",
-                 "memplan.cudasim", "memplan.hf", "memplan.optimizers", "memplan.tracer"):
+                 "memplan.verify.cudasim", "memplan.inputs.hf", "memplan.verify.optimizers", "memplan.verify.tracer"):
         importlib.import_module(name)
 
 
 def child_memplan(model_name: str) -> dict:
     from memplan import api
-    from memplan.catalog import resolve_config
-    from memplan.verify import run_traced
+    from memplan.inputs.catalog import resolve_config
+    from memplan.verify.run import run_traced
 
     cfg, head = resolve_config(model_name)
     preload(cfg)
@@ -85,9 +85,9 @@ def child_memtracker(model_name: str, cuda_dropout: bool = False) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memplan.catalog import resolve_config
-    from memplan.hf import build_model
-    from memplan.verify import make_batch
+    from memplan.inputs.catalog import resolve_config
+    from memplan.inputs.hf import build_model
+    from memplan.verify.run import make_batch
 
     cfg, head = resolve_config(model_name)
     preload(cfg)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memplan.hf import spec_from_config
+from memplan.inputs.hf import spec_from_config
 
 CATALOG = Path(__file__).resolve().parent.parent / "planner" / "catalog.json"
 ENTRY_KEYS = ("name", "hf_id", "aliases", "source", "config", "spec")

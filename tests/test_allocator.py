@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.allocator import (
+from memplan.verify.allocator import (
     MIN_BLOCK_SIZE,
     SMALL_SIZE,
     AllocatorStats,

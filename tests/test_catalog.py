@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from memplan import catalog
-from memplan.catalog import get_entry, list_models, resolve_model
+from memplan.inputs import catalog
+from memplan.inputs.catalog import get_entry, list_models, resolve_model
 from memplan.errors import UserError
 
 ENTRIES = list_models()
@@ -18,7 +18,7 @@ ENTRIES = list_models()
 # -- (a) every stored spec is what the real model on the meta device gives ---------------------------------
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_stored_spec_matches_meta_model(entry):
-    from memplan.hf import meta_param_count, spec_from_config
+    from memplan.inputs.hf import meta_param_count, spec_from_config
 
     before = json.dumps(entry.config, sort_keys=True)
     assert meta_param_count(entry.config, entry.spec.head) == entry.spec.params_total
@@ -131,7 +131,7 @@ def test_hub_id_through_transformers(monkeypatch):
     """A reachable/cached hub id goes AutoConfig -> spec_from_config (AutoConfig faked: no network)."""
     import transformers
 
-    from memplan.hf import load_config
+    from memplan.inputs.hf import load_config
 
     cfg = load_config(get_entry("gpt2").config)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, **kw: cfg)
@@ -142,7 +142,7 @@ def test_hub_id_through_transformers(monkeypatch):
 # -- (d) the catalog path imports no torch -----------------------------------------------------------------
 def test_catalog_lookup_does_not_import_torch():
     code = (
-        "import sys, memplan.catalog as c; c.resolve_model('bert-large'); c.list_models(); "
+        "import sys, memplan.inputs.catalog as c; c.resolve_model('bert-large'); c.list_models(); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

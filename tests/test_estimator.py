@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import memplan
-from memplan import estimator
+from memplan.estimator import step as estimator
 from memplan.errors import UserError
 
 MiB = 1 << 20

@@ -264,7 +264,7 @@ def test_unsupported_models_get_a_clear_message():
 def test_estimate_with_the_fused_loss_agrees_with_the_trace(kw):
     """`--kernels`: the estimate against the fake-tensor trace of the patched model (within 2 %; the
     accuracy suite's bound is 5 %), and far below the same plan without the fused loss."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     r = run(model="gpt2", gpu="a100-80g", device="fake", steps=2, micro_batch=4, seq_len=512, attn="sdpa",
             kernels=True, **kw)
@@ -292,7 +292,7 @@ def test_suggest_turns_the_fused_loss_on_where_it_fits_more():
 def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
     """`--tiled-mlp`: each layer keeps the MLP's input, one chunk is recomputed in backward; against the
     fake-tensor trace of the patched model, and below the same plan without it."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     r = run(model=model, gpu="a100-80g", device="fake", steps=2, micro_batch=mb, seq_len=seq, attn="sdpa",
             tiled_mlp=True, **kw)
@@ -305,7 +305,7 @@ def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
 def test_estimate_with_all_of_memplans_kernels_agrees_with_the_trace():
     """--attn memplan --kernels --tiled-mlp on a Qwen2 (GQA): the tiled attention keeps what SDPA keeps;
     the kernels see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     r = run(model="qwen2.5-0.5b", gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
             precision="bf16", kernels=True, tiled_mlp=True)
@@ -339,7 +339,7 @@ def test_cli_takes_the_kernel_flags():
 
     from click.testing import CliRunner
 
-    from memplan.cli import cli
+    from memplan.cli.commands import cli
 
     r = CliRunner().invoke(cli, ["estimate", "--model", "qwen2.5-0.5b", "--gpu", "a100-80g", "--precision", "bf16",
                                   "--seq-len", "4096", "--attn", "memplan", "--kernels", "--tiled-mlp", "--json"])
@@ -350,7 +350,7 @@ def test_cli_takes_the_kernel_flags():
 
 def test_estimate_with_the_fused_masked_lm_loss_agrees_with_the_trace():
     """BERT's masked LM with --kernels: the head's transform, then the fused loss with the decoder's bias."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     r = run(model="bert-base", head="masked-lm", gpu="a100-80g", device="fake", steps=2, micro_batch=16, seq_len=512,
             attn="sdpa", precision="bf16", kernels=True)

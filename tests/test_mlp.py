@@ -209,7 +209,7 @@ def test_fake_tensors_and_peak_memory():
     activations shrink from every token's to one chunk's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.tracer import LiveTracker
+    from memplan.verify.tracer import LiveTracker
 
     hid, inter, n = 64, 256, 4096
 

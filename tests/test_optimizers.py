@@ -1,4 +1,4 @@
-"""memplan.optimizers: every rules.OPTIMIZERS name builds a real optimizer; the bnb replicas
+"""memplan.verify.optimizers: every rules.OPTIMIZERS name builds a real optimizer; the bnb replicas
 match bitsandbytes' state layout and track torch AdamW; all of it runs under FakeTensorMode."""
 
 import sys
@@ -9,8 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.optimizers import KNOWN, AdamW8bitReplica, Lion8bitReplica, build_optimizer, dynamic_map
-from memplan.rules import OPTIMIZERS
+from memplan.verify.optimizers import KNOWN, AdamW8bitReplica, Lion8bitReplica, build_optimizer, dynamic_map
+from memplan.estimator.rules import OPTIMIZERS
 
 
 def tiny_model():

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import memplan
-from memplan.activations import training_activations, total
+from memplan.estimator.activations import training_activations, total
 from memplan.errors import UserError
-from memplan.modelspec import ModelSpec, ParamGroup
-from memplan.parallel import stage_params, zero_states
-from memplan.rules import PRECISIONS
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.estimator.parallel import stage_params, zero_states
+from memplan.estimator.rules import PRECISIONS
 
 GB = 1e9
 
@@ -260,7 +260,7 @@ def test_fsdp_states_and_strategies():
 
 
 def test_verify_refuses_multi_gpu_plans(tmp_path):
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     s = memplan.suggest("gpt2", "a100-80g", seq_len=128, global_batch=8, gpus=2, top=1)
     plan = tmp_path / "plan.json"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pynvml
 import pytest
 
-import memplan.profiles as prof
+import memplan.inputs.profiles as prof
 from memplan.errors import UserError
-from memplan.profiles import GPUProfile, list_gpus, load_gpu, profile_from_nvml
+from memplan.inputs.profiles import GPUProfile, list_gpus, load_gpu, profile_from_nvml
 
 MIB = 2**20
-PROFILE_FILES = sorted(p for p in resources.files("memplan.profiles").iterdir() if p.name.endswith(".json"))
+PROFILE_FILES = sorted(p for p in resources.files("memplan.inputs.profiles").iterdir() if p.name.endswith(".json"))
 EXPECTED = {
     "v100-16g", "v100-32g", "t4-16g", "a10g-24g", "l4-24g", "l40s-48g", "a6000-48g",
     "a100-40g", "a100-80g", "h100-80g", "h100-pcie-80g", "h200-141g", "rtx3090-24g", "rtx4090-24g",
@@ -300,7 +300,7 @@ def test_profiles_are_frozen():
 
 def test_import_is_fast_and_torch_free():
     code = (
-        "import sys, time; t = time.perf_counter(); import memplan.profiles as p; p.list_gpus(); "
+        "import sys, time; t = time.perf_counter(); import memplan.inputs.profiles as p; p.list_gpus(); "
         "p.load_gpu('h100'); print(time.perf_counter() - t); assert 'torch' not in sys.modules"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -2,12 +2,12 @@
 
 import pytest
 
-from memplan.modelspec import ModelSpec, ParamGroup
-from memplan.rules import (
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.estimator.rules import (
     BNB_BLOCK, OPTIMIZERS, PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
 )
-from memplan import estimator
-from memplan.workload import Workload
+from memplan.estimator import step as estimator
+from memplan.inputs.workload import Workload
 
 MiB = 1 << 20
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import memplan
 from memplan.errors import UserError
-from memplan.ranking import speed_key
+from memplan.search.rank import speed_key
 
 
 def test_bert_large_v100_plan_fits_without_bf16():

@@ -1,10 +1,12 @@
-"""memplan.table (the search's numpy evaluation) equals the scalar estimator and cost model, cell by cell."""
+"""memplan.estimator.table (the search's numpy evaluation) equals the scalar estimator and cost model, cell by cell."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import memplan
-from memplan import cost, estimator, table
+from memplan.search import cost
+from memplan.estimator import step as estimator
+from memplan.estimator import table
 from memplan.api import workload
 from memplan.errors import UserError
 
@@ -63,9 +65,9 @@ def test_activation_terms_are_affine_in_the_micro_batch():
     """The table builds every micro batch's activation tensors from the models at b = 1 and 2
     (c + mb * x); that holds exactly, tensor by tensor, for every catalog model (the fused loss aside: its
     blocks depend on the token count, and the table takes the scalar path for it)."""
-    from memplan.activations import training_activations
-    from memplan.catalog import list_models
-    from memplan.rules import PRECISIONS
+    from memplan.estimator.activations import training_activations
+    from memplan.inputs.catalog import list_models
+    from memplan.estimator.rules import PRECISIONS
     lists = ("layer", "decoder_layer", "embed", "head_saved", "layer_input", "layer_core", "loss_forward",
              "loss_backward", "layer_backward")
     checked = 0

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memplan import api  # noqa: E402
-from memplan.catalog import resolve_config  # noqa: E402
-from memplan.verify import run, run_traced  # noqa: E402
+from memplan.inputs.catalog import resolve_config  # noqa: E402
+from memplan.verify.run import run, run_traced  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = json.loads((ROOT / "benchmarks/accuracy/cases.json").read_text())
@@ -114,7 +114,7 @@ def test_emulated_autocast_caches_only_what_cuda_autocast_caches():
     that casts one chunk at a time (the tiled MLP, the fused loss) must not fill the cache."""
     import torch
 
-    from memplan.cudasim import CudaSemantics
+    from memplan.verify.cudasim import CudaSemantics
 
     w = torch.randn(8, 4, requires_grad=True)
     sem = CudaSemantics(torch.bfloat16, (8, 0), fake=False)
@@ -132,7 +132,7 @@ def test_emulated_autocast_caches_only_what_cuda_autocast_caches():
 def test_masked_lm_loss_in_a_pure_half_model_stays_half():
     """BERT's masked-LM forward calls CrossEntropyLoss on its logits as they are: no fp32 up-cast in a pure
     bf16 model (the estimate once assumed ForCausalLMLoss's .float() there and was 30 % high)."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     r = run(model="bert-base", head="masked-lm", gpu="a100-80g", device="fake", steps=2, micro_batch=16, seq_len=512,
             attn="sdpa", precision="bf16-pure")

@@ -4,7 +4,7 @@
     python benchmarks/accuracy/run.py --fast           # the subset the test suite also runs
     python benchmarks/accuracy/run.py --device cuda    # real runs, on a machine with a GPU
 
-The ground truth is `memplan.verify`: with --device fake, the full-size model under FakeTensorMode with
+The ground truth is `memplan.verify.run`: with --device fake, the full-size model under FakeTensorMode with
 CUDA semantics, every storage counted with the allocator's 512-byte rounding (two optimizer steps); with
 --device cuda, torch.cuda.max_memory_allocated / max_memory_reserved and NVML. The error is on peak
 allocated tensor bytes ((estimate - measured) / measured); the goal is median |error| <= 2 %, max <= 5 %.
@@ -29,7 +29,7 @@ MiB = 2**20
 
 def verify_case(case: dict, gpu_name: str, steps: int, device: str):
     """`memplan verify` on one case (the test suite's fast subset calls this too)."""
-    from memplan.verify import run
+    from memplan.verify.run import run
 
     model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
     work = {k: v for k, v in case.items() if k not in ("model", "fast")}

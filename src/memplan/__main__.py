@@ -1,0 +1,3 @@
+from memplan.cli.commands import main
+
+main()

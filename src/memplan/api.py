@@ -1,0 +1,58 @@
+"""The Python API launchers call: names or objects in, pydantic results out. The CLI is thin over this."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from memplan.estimator import step as estimator
+from memplan.search import suggestion as search
+from memplan.inputs.catalog import resolve_model
+from memplan.errors import UserError
+from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.profiles import GPUProfile, load_gpu
+from memplan.inputs.workload import Workload
+
+
+def _spec(model: str | ModelSpec, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    return model if isinstance(model, ModelSpec) else resolve_model(model, head=head, trust_remote_code=trust_remote_code)
+
+
+def _gpu(gpu: str | GPUProfile) -> GPUProfile:
+    return gpu if isinstance(gpu, GPUProfile) else load_gpu(gpu)
+
+
+def _validation_message(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def workload(**kwargs: Any) -> Workload:
+    """A validated Workload; bad values raise UserError with one line."""
+    try:
+        return Workload(**{k: v for k, v in kwargs.items() if v is not None})
+    except ValidationError as e:
+        raise UserError(_validation_message(e)) from None
+
+
+def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
+             trust_remote_code: bool = False, **work: Any) -> estimator.MemoryBreakdown:
+    """Predict the memory of one configuration.
+
+    >>> memplan.estimate("bert-large", "v100-16g", micro_batch=4, seq_len=512, precision="fp32")
+    work: the Workload fields (task, micro_batch, seq_len, grad_accum, precision, optim, grad_ckpt,
+    attn, max_new_tokens, beams, momentum, zero_grad, headroom).
+    """
+    spec = _spec(model, head, trust_remote_code)
+    if work.get("attn") is None:  # sdpa, transformers' default, where the model has it
+        work["attn"] = "sdpa" if "sdpa" in estimator.supported_attn(spec) else "eager"
+    return estimator.estimate(spec, _gpu(gpu), workload(**work))
+
+
+def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
+            trust_remote_code: bool = False, **options: Any) -> search.Suggestion:
+    """Ranked plans that fit: see memplan.search.suggestion.suggest for the options."""
+    return search.suggest(_spec(model, head, trust_remote_code), _gpu(gpu), **options)

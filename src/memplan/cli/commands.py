@@ -1,0 +1,303 @@
+"""`memplan` command line: thin over memplan.api. Every command takes --json; user errors exit 2 with
+one line on stderr."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from memplan import __version__
+from memplan.errors import UserError
+
+MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
+GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
+
+
+def _emit_json(doc) -> None:
+    click.echo(doc.model_dump_json(indent=1) if hasattr(doc, "model_dump_json") else json.dumps(doc, indent=1))
+
+
+def _momentum(optim_args: str | None) -> float:
+    """HF TrainingArguments.optim_args style: 'momentum=0.9,nesterov=True'; memplan reads momentum."""
+    if not optim_args:
+        return 0.0
+    for item in optim_args.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "momentum":
+            try:
+                return float(value)
+            except ValueError:
+                raise UserError(f"--optim-args: momentum must be a number, got {value!r}") from None
+    return 0.0
+
+
+def common_options(f, required: bool = True):
+    for opt in reversed([
+        click.option("--model", "-m", required=required, help=MODEL_HELP),
+        click.option("--gpu", "-g", required=required, help=GPU_HELP),
+        click.option("--task", type=click.Choice(["train", "infer"]), default="train", show_default=True),
+        click.option("--seq-len", type=int, help="tokens per sequence [default: model maximum, capped at 512 "
+                     "(encoders) / 2048 (decoders)]"),
+        click.option("--optim", help="HF TrainingArguments optim name or 'adamw' [default: adamw_torch_fused]"),
+        click.option("--optim-args", help="optimizer arguments, e.g. 'momentum=0.9' for sgd"),
+        click.option("--attn", help="eager, sdpa, flash, memplan (memplan.kernels' tiled attention; transformers "
+                     "attn_implementation names accepted)"),
+        click.option("--head", help="model head: causal-lm, sequence-classification, seq2seq-lm, "
+                     "image-classification, masked-lm, token-classification, question-answering, base"),
+        click.option("--zero-grad", type=click.Choice(["set-to-none", "zeros"]), default="set-to-none",
+                     show_default=True, help="zeros: gradients stay allocated between steps (torch 1.x)"),
+        click.option("--headroom", type=float, default=0.05, show_default=True,
+                     help="fraction of GPU memory to keep free"),
+        click.option("--trust-remote-code", is_flag=True, help="allow custom modelling code from the hub"),
+        click.option("--kernels", is_flag=True, default=None, help="train with memplan's fused linear + cross-entropy "
+                     "(memplan.kernels.apply(model)): no b x s x vocab logits"),
+        click.option("--tiled-mlp", is_flag=True, default=None, help="train with memplan's tiled MLP "
+                     "(memplan.kernels.apply(model, mlp=True)): each layer keeps only its MLP input"),
+        click.option("--json", "as_json", is_flag=True, help="print one JSON document"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _parallel_options(search: bool):
+    """Multi-GPU options; `suggest` takes lists or 'any' where `estimate` takes one value."""
+    many = " (one, a comma list, or 'any') [default: any]" if search else ""
+
+    def deco(f):
+        opts = [
+            click.option("--gpus", type=int, default=1, show_default=True, help="GPUs per node"),
+            click.option("--nodes", type=int, default=1, show_default=True),
+            click.option("--zero", help="DeepSpeed ZeRO stage 0-3 (0: torch DDP)" + (many or " [default: 0]")),
+            click.option("--fsdp", help="PyTorch FSDP (accelerate) instead of DeepSpeed: none, full-shard, "
+                         "shard-grad-op, hybrid-shard" + (many or " [default: none]")),
+            click.option("--offload", help="DeepSpeed offload to CPU: none, optimizer, all (+ parameters, ZeRO-3)"
+                         + (many or " [default: none]")),
+            click.option("--tp", help="tensor-parallel degree, inside a node" + (many or " [default: 1]")),
+            click.option("--pp", help="pipeline stages" + (many or " [default: 1]")),
+            click.option("--sp", help="sequence parallel with TP: on, off" + (many or " [default: off]")),
+            click.option("--vpp", help="virtual stages per GPU (interleaved 1F1B)" + (many or " [default: 1]")),
+            click.option("--cpu-mem", type=float, help="host RAM per node in GiB, for offload [default: not checked]"),
+        ]
+        if search:  # only the ranking's cost model reads the network
+            opts.append(click.option("--net-gbs", type=float, help="inter-node GB/s per GPU [default: by GPU "
+                                     "generation, docs/cost-model.md]"))
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return deco
+
+
+def _one_int(value, name: str, default: int) -> int:
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--{name}: expected a number, got {value!r}") from None
+
+
+def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
+    if sp not in (None, "on", "off"):
+        raise UserError(f"--sp: expected on or off, got {sp!r}")
+    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), fsdp=fsdp or "none", offload=offload or "none",
+                tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1))
+
+
+def _cpu_mem(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if gib <= 0:
+        raise UserError("--cpu-mem must be positive (GiB per node)")
+    return int(gib * 2**30)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="memplan")
+def cli() -> None:
+    """Plan GPU memory for training and serving Hugging Face models."""
+
+
+@cli.command()
+@common_options
+@click.option("--micro-batch", "-b", type=int, default=1, show_default=True, help="sequences per GPU per step")
+@click.option("--grad-accum", type=int, default=1, show_default=True)
+@click.option("--precision", help="train: fp32, fp16, bf16 (autocast), bf16-pure; infer: fp32, fp16, bf16 "
+              "(autocast), fp16-pure, bf16-pure, int8, int4 [default: train fp32, infer best half]")
+@click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
+@click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
+@click.option("--beams", type=int, default=1, show_default=True)
+@_parallel_options(search=False)
+def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
+             kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes,
+             zero, fsdp,
+             offload, tp, pp, sp, vpp, cpu_mem) -> None:
+    """Predict the memory of one configuration: breakdown and the three meters."""
+    from memplan import api
+    from memplan.search.suggestion import best_mixed_precision, default_seq_len
+
+    spec = api._spec(model, head, trust_remote_code)
+    prof = api._gpu(gpu)
+    if precision is None:
+        precision = "fp32" if task == "train" else best_mixed_precision(prof, task)
+    est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
+                       grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
+                       grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
+                       zero_grad=zero_grad, headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
+                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp))
+    limit = _cpu_mem(cpu_mem)
+    if limit is not None and est.cpu_ram_per_node_bytes > limit:
+        est = est.model_copy(update={"fits": False, "notes": est.notes + [
+            f"offload needs {est.cpu_ram_per_node_bytes / 2**30:,.0f} GiB of host RAM per node; --cpu-mem is {cpu_mem:g}"]})
+    if as_json:
+        _emit_json(est)
+    else:
+        from memplan.cli.report import print_estimate
+
+        print_estimate(est)
+
+
+@cli.command()
+@common_options
+@click.option("--batch-size", type=int, help="global batch in sequences [default: 32]")
+@click.option("--precision", help="one, a comma list, or 'any' [default: best mixed precision of the GPU]")
+@click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
+@click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
+@click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
+              show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
+@_parallel_options(search=True)
+@click.option("--emit", type=click.Choice(["trainer", "deepspeed", "accelerate", "all"]),
+              help="write the first plan's launch files: TrainingArguments (JSON + .py), ds_config.json, "
+              "accelerate_config.yaml, and plan.json")
+@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="directory for --emit; '-' prints")
+@click.option("--force", is_flag=True, help="overwrite files that already exist")
+def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
+            kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
+            vpp, cpu_mem, net_gbs, emit, out_dir, force) -> None:
+    """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
+    from memplan import api
+
+    if emit == "deepspeed":  # a DeepSpeed file is asked for: plan with DeepSpeed
+        zero = zero or "1,2,3"
+        fsdp = fsdp or "none"
+    s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
+                    global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
+                    momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
+                    objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
+                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp)
+    if emit and as_json and out_dir == "-":
+        raise UserError("--emit -o - and --json both print to stdout; write the files to a directory")
+    if as_json:
+        _emit_json(s)
+    else:
+        from memplan.cli.report import print_suggestion
+
+        print_suggestion(s)
+    if emit:
+        if not s.plans:
+            raise UserError("nothing fits: no plan to emit")
+        if task != "train":
+            raise UserError("--emit writes training configs; --task infer has none")
+        what = ("trainer", "deepspeed", "accelerate") if emit == "all" else (emit,)
+        written = s.plans[0].write(out_dir, what, force=force, spec=api._spec(model, head, trust_remote_code))
+        if written and not as_json:
+            click.echo("wrote " + ", ".join(written))
+
+
+@cli.command()
+@functools.partial(common_options, required=False)
+@click.option("--micro-batch", "-b", type=int, help="sequences per GPU per step [default: 1]")
+@click.option("--grad-accum", type=int, help="[default: 1]")
+@click.option("--precision", help="fp32, fp16, bf16 (autocast), bf16-pure [default: fp32]")
+@click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), help="[default: none]")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan from `suggest --json` "
+              "(its first plan, or --plan-index); options given here override the plan's")
+@click.option("--plan-index", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
+              help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "
+              "auto: cuda when there is a GPU, else fake")
+@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps; 2 or more also see the "
+              "steady state (the first step creates the optimizer state)")
+def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
+           tiled_mlp, as_json,
+           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
+    """Run the planned training step (random weights, synthetic batches) and compare with the estimate.
+
+    Exit codes: 0 ran (see the verdicts), 2 bad input, 3 the real run ran out of GPU memory."""
+    from memplan.verify.run import run
+
+    given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
+                 precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
+                 tiled_mlp=tiled_mlp)
+    if optim_args:
+        given["momentum"] = _momentum(optim_args)
+    report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,
+                 plan_index=plan_index, device=device, steps=steps, progress=True, **given)
+    if as_json:
+        _emit_json(report)
+    else:
+        from memplan.cli.report import print_verify
+
+        print_verify(report)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def gpus(as_json) -> None:
+    """List the bundled GPU profiles."""
+    from memplan.inputs.profiles import list_gpus
+
+    profiles = list_gpus()
+    if as_json:
+        _emit_json({"gpus": [p.model_dump(mode="json") for p in profiles]})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "GPU", "memory (driver)", "sm", "bf16", "flash", "dense TFLOP/s (fp16/bf16)", "aliases")
+    for p in profiles:
+        half = p.tflops.get("bf16") or p.tflops.get("fp16") or 0
+        t.add_row(p.name, p.full_name, f"{p.memory_bytes / 2**30:.1f} GiB", ".".join(map(str, p.compute_capability)),
+                  "yes" if p.bf16 else "no", "yes" if p.flash_attention else "no", f"{half:g}", ", ".join(p.aliases))
+    Console().print(t)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def models(as_json) -> None:
+    """List the bundled model catalog (works offline)."""
+    from memplan.inputs.catalog import list_models
+
+    entries = list_models()
+    if as_json:
+        _emit_json({"models": [{"name": e.name, "hf_id": e.hf_id, "aliases": e.aliases,
+                                "model_type": e.spec.model_type, "head": e.spec.head,
+                                "params_total": e.spec.params_total} for e in entries]})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "hub id", "type", "default head", "parameters")
+    for e in entries:
+        t.add_row(e.name, e.hf_id or "", e.spec.model_type, e.spec.head, f"{e.spec.params_total:,}")
+    Console().print(t)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click in non-standalone mode so every user error becomes one line and exit 2."""
+    try:
+        rv = cli.main(args=argv, prog_name="memplan", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except UserError as e:
+        click.echo(f"memplan: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("memplan: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"memplan: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except BrokenPipeError:
+        sys.exit(0)

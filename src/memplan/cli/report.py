@@ -1,0 +1,174 @@
+"""Terminal rendering (rich): the breakdown with proportional bars, the meters, the plan table."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from memplan.estimator.step import MemoryBreakdown
+from memplan.search.rank import sharding_label
+from memplan.search.suggestion import Suggestion
+
+GIB = 1 << 30
+MIB = 1 << 20
+BAR = 30
+
+
+def console() -> Console:
+    """A console that does not squeeze tables to 80 columns when the output is a pipe or a file."""
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if abs(n) >= GIB else f"{n / MIB:,.0f} MiB"
+
+
+def _bar(n: int, of: int) -> str:
+    filled = 0 if of <= 0 else round(BAR * max(n, 0) / of)
+    return "█" * filled + "·" * (BAR - filled)
+
+
+def _workload_line(e: MemoryBreakdown) -> str:
+    w = e.workload
+    if w.task == "infer":
+        gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
+        return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
+    line = (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
+            f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}"
+            + (", memplan's fused loss" if w.kernels else "") + (", memplan's tiled MLP" if w.tiled_mlp else ""))
+    if w.world > 1 or w.zero:
+        line += (f"\n{w.world} GPUs ({w.nodes} x {w.gpus}): dp {w.dp} x tp {w.tp}{' + SP' if w.sp else ''} x pp {w.pp}"
+                 f"{f' (interleaved x{w.vpp})' if w.vpp > 1 else ''}, "
+                 + (f"DeepSpeed ZeRO-{w.zero}" if w.zero else f"FSDP {w.fsdp}" if w.fsdp != "none" else
+                    ("DeepSpeed pipeline" if w.pp > 1 else "torch DDP"))
+                 + (f", offload {w.offload}" if w.offload != "none" else "") + "; every number is per GPU")
+    return line
+
+
+def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
+    c = console or globals()['console']()
+    c.print(f"[bold]{e.model.name}[/] ({e.model.params_total:,} params, {e.model.params_trainable:,} trainable) "
+            f"on [bold]{e.gpu}[/]")
+    c.print(_workload_line(e))
+    t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    t.add_column("category")
+    t.add_column("bytes", justify="right")
+    t.add_column(f"share of {gib(e.capacity_bytes)}")
+    for k, v in e.breakdown.items():
+        if v:
+            t.add_row(k, gib(v), _bar(v, e.capacity_bytes))
+    c.print(t)
+    m = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    m.add_column("meter")
+    m.add_column("predicted", justify="right")
+    m.add_column("what reads it")
+    m.add_row("peak allocated", gib(e.peak_allocated_bytes), "torch.cuda.max_memory_allocated()")
+    m.add_row("peak reserved", gib(e.peak_reserved_bytes), "torch.cuda.max_memory_reserved()")
+    m.add_row("device used", gib(e.device_used_bytes), "NVML / nvidia-smi")
+    c.print(m)
+    verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
+    c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
+            f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
+    if e.cpu_ram_per_node_bytes:
+        c.print(f"offload: {gib(e.cpu_ram_per_node_bytes)} of host RAM per node ({e.workload.gpus} GPUs)")
+    for n in e.notes:
+        c.print(f"note: {n}")
+
+
+def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
+    c = console or globals()['console']()
+    world = s.gpus * s.nodes
+    on = f"{world} x [bold]{s.gpu}[/] ({s.nodes} node(s) of {s.gpus})" if world > 1 else f"[bold]{s.gpu}[/]"
+    c.print(f"[bold]{s.model}[/] on {on}, {s.task}: seq {s.seq_len}, global batch {s.global_batch}")
+    if s.defaults:
+        c.print("defaults: " + "; ".join(s.defaults))
+    c.print(f"searched {s.candidates:,} candidates in {s.search_seconds:.2f} s: "
+            + "; ".join(f"{k} {'/'.join(v)}" for k, v in s.searched.items()))
+    if not s.plans:
+        for n in s.notes:
+            c.print(f"[red]{n}[/]")
+    else:
+        train = s.task == "train"
+        multi = train and (world > 1 or any(p.zero_stage for p in s.plans))
+        _plan_table(c, s.plans, train, multi)
+        best = s.plans[0]
+        if not train:
+            c.print(f"best: batch {best.micro_batch}, {best.precision}, attn {best.attn}; predicted peak "
+                    f"{gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)}")
+        else:
+            kern = "".join(f", {k}" for k, on in (("fused loss", best.kernels), ("tiled MLP", best.tiled_mlp)) if on)
+            c.print(f"best: micro batch {best.micro_batch} x accumulation {best.grad_accum} = {best.global_batch}, "
+                    f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}{kern}; predicted "
+                    f"peak {gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)} "
+                    f"(at {best.estimate.peak_phase})")
+        if multi:
+            c.print(f"layout: dp {best.dp} x tp {best.tp}{' + SP' if best.sp else ''} x pp {best.pp}"
+                    f"{f' (interleaved x{best.vpp})' if best.vpp > 1 else ''}, "
+                    f"{sharding_label(best.zero_stage, best.fsdp)}, offload "
+                    f"{best.offload}; MFU {best.mfu:.0%}; step {best.step_seconds:.2f} s = "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in best.step_terms.items() if v))
+        if s.why:
+            c.print("[bold]why this plan[/] (the best plan that changes one knob):")
+            for line in s.why:
+                c.print(f"  {line}")
+        if len(s.pareto) > 1:
+            c.print(f"[bold]Pareto front[/] (memory vs speed: the {len(s.pareto)} with the least memory of its "
+                    f"{s.pareto_size} plans):")
+            _plan_table(c, s.pareto, train, multi)
+    for a in s.alternatives:
+        c.print(f"also fits: {a.change}: {a.gain}")
+    for n in s.notes if s.plans else ():
+        c.print(f"note: {n}")
+
+
+def print_verify(r) -> None:
+    """`memplan verify`: each meter predicted vs measured, then the breakdown at the traced peak."""
+    c = console()
+    c.print(f"[bold]{r.model}[/] on {r.gpu}: {_workload_line(r.estimate)}")
+    c.print(f"ran: [bold]{r.device}[/] ({r.device_note}), {r.steps} steps in {r.run_seconds:.1f} s")
+    colour = {"ok": "green", "close": "yellow", "off": "red"}
+    t = Table("meter", "predicted", "measured", "error", "verdict", "how measured")
+    for m in r.meters:
+        t.add_row(m.meter, gib(m.predicted_bytes), gib(m.measured_bytes), f"{m.error_pct:+.2f} %",
+                  f"[{colour[m.verdict]}]{m.verdict}[/]", m.how)
+    c.print(t)
+    if r.breakdown:
+        b = Table("category", "predicted", "measured", "difference", title=f"at the peak: {r.peak_phase} ({r.peak_op})")
+        for k, v in r.breakdown.items():
+            if v["predicted"] or v["measured"]:
+                b.add_row(k, gib(v["predicted"]), gib(v["measured"]), gib(v["predicted"] - v["measured"]))
+        c.print(b)
+    if r.tokens_per_s:
+        c.print(f"step time {r.step_time_s * 1000:.1f} ms, {r.tokens_per_s:,.0f} tokens/s ({r.device})")
+    if r.sdpa_kernels:
+        c.print("attention kernels (as CUDA would pick): " + ", ".join(f"{k} x{n}" for k, n in r.sdpa_kernels.items()))
+    for n in r.notes:
+        c.print(f"note: {n}")
+
+
+def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
+    cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
+    if multi:
+        cols += ("dp", "tp", "pp", "sharding", "offload")
+    kernels = train and any(p.kernels or p.tiled_mlp for p in plans)
+    if kernels:
+        cols += ("kernels",)
+    t = Table(show_header=True, header_style="bold")
+    for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
+        t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload", "kernels")
+                     else "right")
+    for i, p in enumerate(plans, 1):
+        e = p.estimate
+        knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
+                 else (str(p.micro_batch), p.precision, p.attn))
+        if multi:
+            knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
+                      sharding_label(p.zero_stage, p.fsdp),
+                      p.offload)
+        if kernels:
+            knobs += ("+".join(k for k, on in (("loss", p.kernels), ("mlp", p.tiled_mlp)) if on) or "-",)
+        t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
+                  f"{p.tokens_per_s:,.0f}")
+    c.print(t)

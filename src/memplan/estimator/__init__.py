@@ -1,0 +1,1 @@
+"""The memory of a step: byte rules, per-family facts, activation models, parallel states, the step itself."""

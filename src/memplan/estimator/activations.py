@@ -1,0 +1,402 @@
+"""Activation model: the tensors a transformers model saves for backward, per layer, with the formula
+for each in view (Calculon / Megatron style), plus the transients at the moments that can be the peak.
+
+Every term is a `Tensors(name, nbytes, count)`: `count` live tensors of `nbytes` each, so the allocator's
+per-tensor rounding can be applied. Notation: b micro batch, s sequence, T = b*s tokens, h hidden,
+a query heads, k kv heads, d head dim, f MLP intermediate, V vocab, E experts, K experts per token.
+Byte widths: p = matmul outputs (4 fp32, 2 half), r = residual stream / norm outputs (4 under fp32 and
+autocast, 2 in pure half), see rules.Precision. docs/activations.md derives each term.
+
+Starting point: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), 34*s*b*h + 5*a*s^2*b bytes per layer in half precision with dropout; this model refines it to
+what transformers' implementations save (separate q/k/v casts under autocast, fp32 softmax up-casts,
+RMSNorm's fp32 copies, gated MLPs, GQA expansion in eager attention, MoE routing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan.inputs.modelspec import ModelSpec
+from memplan.estimator.rules import Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk
+
+# Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
+SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
+# Linear layers reading the attention input / MLP input (each makes its own cast copy under autocast).
+QKV_LINEARS = {"gpt2": 1, "gpt_neox": 1, "phi3": 1}  # fused qkv; others have q, k, v projections (3)
+UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have gate and up (2)
+NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
+MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
+PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
+# Masked LMs whose forward calls CrossEntropyLoss on the logits without an fp32 up-cast (transformers 5.23
+# modeling_bert / modeling_roberta / modeling_deberta_v2); ForMaskedLMLoss (ModernBERT) up-casts.
+MLM_RAW_LOGITS_LOSS = {"bert", "roberta", "deberta-v2", "deberta_v2"}
+# Norms inside the region memplan.kernels' tiled MLP recomputes: BERT's feed_forward_chunk ends with
+# BertOutput's LayerNorm (the residual add and norm after the second dense).
+TILED_MLP_NORMS = {"bert": 1}
+# Activations of gated MLPs that memplan.kernels.apply runs through gated_act (kernels/patch.py GATED_ACTS)
+GATED_ACT_KERNEL = {"silu", "swish", "gelu_pytorch_tanh"}
+# The query is a view of the fused QKV output (no rotary embedding makes a new tensor): GPT-2.
+QUERY_VIEWS_FUSED_QKV = {"gpt2"}
+
+
+@dataclass(frozen=True)
+class Tensors:
+    name: str
+    nbytes: float  # bytes of one tensor
+    count: int = 1
+    # Replicated under tensor parallelism (the residual stream side: norms, linear inputs, hidden
+    # dropout masks); sequence parallelism shards these too (Korthikanti et al. 2022, section 4.2.2).
+    rep: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.nbytes * self.count
+
+
+@dataclass
+class ActivationModel:
+    """Saved activations and the transients that matter for the peak, for one micro batch."""
+
+    layer: list[Tensors]  # saved by one encoder (or decoder-only) layer
+    decoder_layer: list[Tensors]  # saved by one decoder layer of an encoder-decoder (else empty)
+    embed: list[Tensors]  # embeddings (the first pipeline stage)
+    head_saved: list[Tensors]  # final norm, head, log-softmax (the last pipeline stage)
+    layer_input: list[Tensors]  # what full checkpointing keeps per layer
+    layer_backward: list[Tensors]  # extra live in one layer's backward (grad buffers)
+    layer_core: list[Tensors]  # the attention core of one layer: rebuilt in backward under selective
+    loss_forward: list[Tensors]  # transient while the loss is computed (half + fp32 logits)
+    loss_backward: list[Tensors]  # transient at the start of backward (loss gradient chain)
+    infer_working: list[Tensors] = field(default_factory=list)  # one layer's no-grad working set
+
+
+def total(ts: list[Tensors]) -> float:
+    return sum(t.total for t in ts)
+
+
+def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Saved by one norm. LayerNorm (native_layer_norm) saves its input + mean/rstd (fp32, per token).
+    transformers' RMSNorm upcasts: pow saves the fp32 input (a copy in pure half), the weight multiply
+    saves the normalised tensor in the input dtype."""
+    h, r = spec.hidden_size, prec.residual
+    if spec.norm == "layernorm":
+        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", 4 * T, 2, rep=True)]
+    return [Tensors("rmsnorm fp32 input", 4 * h * T, rep=True), Tensors("rmsnorm normalised", r * h * T, rep=True),
+            Tensors("rmsnorm rstd", 4 * T, rep=True)]
+
+
+def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
+    """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
+    the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
+    if prec.autocast:
+        return [Tensors(f"{name} (half cast)", 2 * width * T, n_linears, rep=True)]
+    return [Tensors(name, prec.residual * width * T, rep=True)]
+
+
+def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
+               selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
+    """Saved by one attention block after its input projection: q, k, v, the core, the output input.
+    Tensors named "core: ..." belong to the attention core (QK^T, softmax, dropout, PV), which selective
+    recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
+    q, k, v (k, v at kv heads) and its output stay."""
+    a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
+    Tq, Tkv = b * s_q, b * s_kv
+    out: list[Tensors] = [Tensors("q", p * a * d * Tq)]
+    if attn == "eager" and a != k:
+        # repeat_kv materialises k and v at `a` heads and the matmuls save those copies; the k, v at kv
+        # heads are saved only as the checkpointed core's inputs under selective recomputation.
+        out.append(Tensors("core: k, v expanded to all heads", p * a * d * Tkv, 2))
+        if selective:
+            out.append(Tensors("k, v", p * k * d * Tkv, 2))
+    else:
+        out.append(Tensors("k, v", p * k * d * Tkv, 2))
+        if kv_cache and attn != "eager" and not selective and spec.model_type in QUERY_VIEWS_FUSED_QKV:
+            # Decoders build a DynamicCache in training too (use_cache defaults to True; only gradient
+            # checkpointing turns it off), and attention gets the cache's torch.cat copies of k and v.
+            # The SDPA / flash kernel saves the query, a view that keeps the whole fused QKV output
+            # alive, so the k and v it holds survive beside their copies (traced, GPT-2).
+            out.append(Tensors("k, v before the cache copy (fused QKV)", p * k * d * Tkv, 2))
+    if attn == "eager":
+        scores = b * a * s_q * s_kv
+        upcast = spec.model_type in SOFTMAX_FP32
+        sm = 4 if (prec.autocast or upcast or p == 4) else p
+        out.append(Tensors("core: softmax output", sm * scores))
+        dropout = spec.attention_dropout > 0
+        if dropout:
+            out.append(Tensors("core: attention dropout mask", 1 * scores))
+        if dropout or sm != p:
+            # the PV matmul saves its own input: the dropout output or the cast back to p
+            out.append(Tensors("core: attention probs (matmul input)", p * scores))
+    else:
+        # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
+        # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
+        # The kernel's saved output is laid out (b, s, heads, d), so transpose(1, 2).contiguous() is a
+        # view and the o_proj input below is the same storage: counted once, as the context (traced).
+        out += [Tensors("core: logsumexp", 4 * b * a * s_q)]
+        if spec.position == "relative" and prec.autocast:
+            # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
+            # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
+            out.append(Tensors("position bias (half cast)", 2 * a * s_q * s_kv))
+    out.append(Tensors("context (o_proj input)", p * a * d * Tq))
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq, rep=True))
+    return [t for t in out if not is_core(t)] if selective else out
+
+
+def is_core(t: Tensors) -> bool:
+    return t.name.startswith("core: ")
+
+
+def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
+    """Saved by the MLP after its input projection(s), for `tokens` tokens."""
+    f, p, h = spec.intermediate_size, prec.act, spec.hidden_size
+    # what the activation function saves (its input, or the pieces of a Python-composed GELU)
+    saves = [Tensors("act input / saved pieces", w * f * tokens)
+             for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
+    out: list[Tensors] = []
+    if spec.mlp == "gated":
+        out += saves + [Tensors("act output, up output", p * f * tokens, 2),
+                Tensors("gate*up (down input)", p * f * tokens)]
+    else:
+        inner_dropout = spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0
+        if spec.activation == "relu" and not inner_dropout:
+            saves = []  # relu saves its output, which is also the down projection's input (traced)
+        out += saves
+        if inner_dropout:
+            out.append(Tensors("mlp dropout mask", 1 * f * tokens))
+        out.append(Tensors("act output (down input)", p * f * tokens))
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("mlp dropout mask", 1 * h * tokens, rep=True))
+    return out
+
+
+def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Top-K routing (transformers Mixtral): router softmax in fp32, each token's hidden state gathered
+    for each of its K experts, the expert MLP on K*T tokens, the weighted expert output."""
+    h, E, K, r = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual
+    routed = K * T
+    out = _linear_inputs(1, h, T, prec, "router input")
+    out.append(Tensors("router softmax", 4 * E * T, rep=True))
+    n_in = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+    out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
+    if not prec.autocast:
+        out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
+    out += _mlp(spec, routed, prec)
+    out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
+    return out
+
+
+def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
+           s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
+    h, T = spec.hidden_size, b * s
+    n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
+    if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
+        n_norms -= TILED_MLP_NORMS.get(spec.model_type, 0)
+    out: list[Tensors] = []
+    for _ in range(n_norms):
+        out += _norm(spec, T, prec)
+    n_qkv = QKV_LINEARS.get(spec.model_type, 3)
+    out += _linear_inputs(n_qkv, h, T, prec, "qkv input")
+    out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
+    if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
+        out += _linear_inputs(1, h, T, prec, "cross q input")
+        out += _attention(spec, b, s, s_enc, prec, attn, selective)
+    if spec.is_moe:
+        out += _moe(spec, T, prec)
+    elif tiled_mlp:
+        # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
+        # norm output, in the residual dtype)
+        out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
+    else:
+        out += _mlp_block(spec, T, prec)
+    return out
+
+
+def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """The MLP's linear inputs and what it saves after them."""
+    n_up = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+    if spec.model_type in PARALLEL_RESIDUAL:
+        n_up = 1
+    return _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input") + _mlp(spec, T, prec)
+
+
+def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """One layer's tiled-MLP backward: one chunk's recomputed MLP (what it saves, its output and its
+    gradient buffers) and, over several chunks, x's gradient and the fp32 sums of the MLP's parameter
+    gradients (kernels/mlp.py, TiledMLP.backward)."""
+    h, f, p = spec.hidden_size, spec.intermediate_size, prec.act
+    c = min(T, tiled_mlp_chunk(h))
+    if spec.mlp == "gated" and spec.activation in GATED_ACT_KERNEL:
+        # apply() runs act(gate) * up through memplan.kernels.gated_act, which saves gate and up only
+        n_up = UP_LINEARS_GATED.get(spec.model_type, 2)
+        chunk = _linear_inputs(n_up, h, c, prec, "mlp input") + [Tensors("gate, up (gated_act inputs)", p * f * c, 2),
+                                                                  Tensors("gate*up (down input)", p * f * c)]
+    else:
+        chunk = _mlp_block(spec, c, prec)
+    out = chunk + [Tensors("tiled mlp: chunk output", p * h * c), Tensors("mlp grad buffers (one chunk)", p * f * c, 2)]
+    if T > c:
+        mlp_params = (3 if spec.mlp == "gated" else 2) * h * f
+        out += [Tensors("tiled mlp: input gradient", prec.residual * h * T, rep=True),
+                Tensors("tiled mlp: parameter-gradient sums (fp32)", 4 * mlp_params)]
+    return out
+
+
+def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
+                    tiled_mlp: bool = False) -> list[Tensors]:
+    """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
+    gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB, or
+    the tiled MLP's recomputed chunk)."""
+    T, p = b * s, prec.act
+    f_tokens = T * (spec.experts_per_token if spec.is_moe else 1)
+    mlp = [Tensors("mlp grad buffers", p * spec.intermediate_size * f_tokens, 2)]
+    if tiled_mlp and not spec.is_moe:
+        mlp = _tiled_mlp_backward(spec, T, prec)
+    if attn == "eager":
+        scores = b * spec.num_heads * s * s
+        sm = 4 if (prec.autocast or spec.model_type in SOFTMAX_FP32 or p == 4) else p
+        att = [Tensors("attention grad buffers", sm * scores, 2)]
+        return att if total(att) > total(mlp) else mlp
+    return mlp
+
+
+def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensors]:
+    h, T, r = spec.hidden_size, b * s, prec.residual
+    out: list[Tensors] = []
+    if spec.arch == "vision":
+        out.append(Tensors("pixel values (patch conv input)", 4 * b * spec.num_channels * spec.image_size ** 2, rep=True))
+    if spec.arch in ("encoder", "vision") and spec.model_type != "vit":
+        out += [Tensors("embedding norm input", r * h * T, rep=True),
+                Tensors("embedding norm mean/rstd", 4 * T, 2, rep=True)]
+    if spec.hidden_dropout > 0:
+        out.append(Tensors("embedding dropout mask", 1 * h * T, rep=True))
+    if spec.position == "relative":
+        # T5's relative position bias, computed once per stack and shared by its layers (fp32,
+        # 1 x heads x s x s): encoder self-attention, decoder self-attention, cross-attention
+        out.append(Tensors("position bias (shared)", 4 * spec.num_heads * s * s, 3 if spec.num_decoder_layers else 1))
+    return out
+
+
+def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
+          fused: bool = False) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
+    """(saved, loss forward transient, loss backward transient) of the head and its loss."""
+    h, T, V, p = spec.hidden_size, b * s, spec.vocab_size, prec.act
+    saved: list[Tensors] = []
+    if spec.arch in ("decoder", "encoder-decoder", "vision"):
+        saved += _norm(spec, T, prec)  # final norm
+    if spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS:
+        # the masked-LM head's transform before the decoder: dense, activation, LayerNorm
+        saved += _linear_inputs(1, h, T, prec, "mlm transform input")
+        saved += [Tensors("mlm transform act input / saved pieces", w * h * T)
+                  for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
+        saved += _norm(spec, T, prec)
+    if fused and spec.head in ("causal-lm", "masked-lm"):
+        return _fused_loss(spec, T, prec, saved)
+    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+        saved += _linear_inputs(1, h, T, prec, "lm_head input")
+        # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
+        # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
+        # BERT-style masked LMs call CrossEntropyLoss on the logits as they are: fp32 under autocast
+        # (log_softmax is on its fp32 list), but half in a pure half model (traced).
+        raw = spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS and not prec.autocast
+        lp = p if raw else 4
+        saved.append(Tensors("log_softmax output", lp * T * V))
+        fwd = [Tensors("logits", p * T * V)]
+        if p != lp:
+            fwd.append(Tensors("logits fp32 up-cast", 4 * T * V))
+        # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 while the saved log_softmax
+        # output is still alive: the peak of the loss backward (traced). The cast of the gradient back
+        # to half comes after dL/dlogp and the saved output are freed, so it never adds to this peak.
+        bwd = [Tensors("loss grad buffers", lp * T * V, 2)]
+        return saved, fwd, bwd
+    # classification heads read one token (pooler / CLS) or all tokens for token classification
+    n_tok = T if spec.head == "token-classification" else b
+    saved.append(Tensors("head input", prec.residual * h * n_tok, rep=True))
+    return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
+
+
+def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
+    """memplan.kernels.linear_cross_entropy (docs/kernels.md): it saves the final hidden states (the
+    lm_head input) and one log-sum-exp per token; forward holds one token chunk
+    of logits (half, its fp32 up-cast, logsumexp's fp32 working copy) and the per-token losses;
+    backward holds the head weight's gradient (allocated before the blocks are summed into it), the fp32
+    hidden-state gradient sum, one vocabulary block's fp32 weight-gradient sum, one block of logits (half
+    and fp32) with its softmax, and the fp32 copy of the token block."""
+    h, V, p = spec.hidden_size, spec.vocab_size, prec.act
+    chunk, vblock, tblock = fused_loss_blocks(T, h, V)
+    # under autocast the kernel takes half copies of the hidden states and of the head's weight (the
+    # weight copy is the head's autocast copy the estimator already counts)
+    saved = saved + [Tensors("fused loss input (hidden states)", (p if prec.autocast else prec.residual) * h * T,
+                             rep=True),
+                     Tensors("fused loss logsumexp", 4 * T)]
+    fwd = [Tensors("fused loss: logits chunk (half)", p * chunk * V),
+           Tensors("fused loss: logits chunk (fp32) and logsumexp's working copy", 4 * chunk * V, 2),
+           Tensors("fused loss: per-token losses", 4 * T)]
+    bwd = [Tensors("fused loss: weight gradient (allocated first, in the weight's compute dtype)", p * V * h),
+           Tensors("fused loss: hidden-state gradient sum (fp32)", 4 * T * h),
+           Tensors("fused loss: weight-gradient block sum (fp32)", 4 * vblock * h),
+           Tensors("fused loss: logits block (half)", p * tblock * vblock),
+           Tensors("fused loss: logits block (fp32) and its softmax", 4 * tblock * vblock, 2),
+           Tensors("fused loss: token block (fp32)", 4 * tblock * h)]
+    return saved, fwd, bwd
+
+
+def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
+    """One tensor-parallel rank's share: heads, the MLP intermediate and the vocabulary are split t
+    ways (Megatron column / row parallel linears, vocab-parallel cross-entropy); the residual side is
+    replicated unless sequence parallelism splits it along the sequence. Korthikanti et al. 2022,
+    eq. 2 (TP: s*b*h*(10 + 24/t + 5*a*s/(h*t))) and eq. 4 (TP + SP: s*b*h*(34 + 5*a*s/h)/t)."""
+    if tp == 1:
+        return ts
+    return [t if (t.rep and not sp) else Tensors(t.name, t.nbytes / tp, t.count, t.rep) for t in ts]
+
+
+def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
+                         selective: bool = False, kv_cache: bool = True, tp: int = 1,
+                         sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False) -> ActivationModel:
+    """selective: the layers keep everything but their attention core (Megatron selective recompute).
+    kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
+    tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
+    and MLP."""
+    if spec.arch == "vision":
+        s = spec.seq_positions
+    # the attention core is rebuilt in backward only under selective recomputation
+    core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
+    layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
+    dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
+    saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
+    T = b * s
+    return ActivationModel(
+        layer=shard(layer, tp, sp),
+        decoder_layer=shard(dec, tp, sp),
+        embed=shard(_embeddings(spec, b, s, prec), tp, sp),
+        head_saved=shard(saved_head, tp, sp),
+        layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
+                          tp, sp),
+        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp), tp, sp),
+        layer_core=shard(core, tp, sp),
+        loss_forward=shard(loss_fwd, tp, sp),
+        loss_backward=shard(loss_bwd, tp, sp),
+    )
+
+
+def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, full_logits: bool) -> list[Tensors]:
+    """Live tensors while one layer runs under no_grad (nothing is saved): the residual, the norm
+    output, the larger of the attention and MLP intermediates, and the logits."""
+    if spec.arch == "vision":
+        s = spec.seq_positions
+    h, a, k, d, f, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, b * s
+    base = [Tensors("residual, norm output", p * h * T, 2)]
+    attn_ts = [Tensors("q, k, v", p * d * T * (a + 2 * k))]
+    if attn == "eager":
+        attn_ts.append(Tensors("scores, probs", 4 * b * a * s * s, 2))
+    else:
+        attn_ts.append(Tensors("attention output", p * a * d * T))
+    f_tok = T * (spec.experts_per_token if spec.is_moe else 1)
+    mlp_ts = [Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
+    work = base + (attn_ts if total(attn_ts) > total(mlp_ts) else mlp_ts)
+    V = spec.vocab_size
+    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+        n_tok = T if full_logits else b
+        work.append(Tensors("logits", p * n_tok * V))
+        work.append(Tensors("logits fp32", 4 * n_tok * V))
+    return work

@@ -1,0 +1,206 @@
+"""Multi-GPU model states: what one GPU holds under tensor, pipeline and data parallelism, ZeRO and
+offload. Pure arithmetic on the parameter table, no torch (docs/parallel.md derives every term).
+
+Layout. Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron's
+default order "tp-cp-ep-dp-pp"), so TP groups stay inside a node, and DP groups leave it only when
+tp * dp exceeds the GPUs of a node.
+
+Tensor parallelism (Shoeybi et al. 2019, Megatron-LM): attention and MLP matrices are split by columns
+or rows, the embedding and the LM head by vocabulary (VocabParallelEmbedding); norms and MoE routers
+are replicated. Pipeline parallelism: the layers are split evenly; the first stage also holds the
+embeddings, the last the final norm and the head (a tied head keeps a copy of the embedding matrix on
+the last stage, as Megatron does). ZeRO (Rajbhandari et al. 2020) then partitions the remaining states
+over the dp ranks, the way DeepSpeed does it (see `zero_states`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+
+TP_SPLIT = ("attention", "mlp", "experts", "embeddings", "head")  # column/row/vocab parallel
+LAYER_CATEGORIES = ("attention", "mlp", "experts", "router", "norms")
+
+# -- DeepSpeed knobs memplan writes into the config, hence counts (docs/parallel.md). -------------
+# DeepSpeed's defaults are 5e8 elements for both buckets (runtime/zero/config.py); transformers' HF
+# integration replaces "auto" by hidden*hidden (reduce bucket), 0.9*hidden*hidden (stage-3 prefetch)
+# and 10*hidden (param persistence threshold): integrations/deepspeed.py, trainer_config_finalize.
+# memplan emits the same hidden-based numbers, so the estimate and the config agree.
+STAGE3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed default (elements)
+
+
+def ds_buckets(spec: ModelSpec) -> dict[str, int]:
+    """The DeepSpeed bucket sizes (elements) memplan puts in ds_config.json for this model."""
+    h = spec.hidden_size
+    return {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h), "stage3_param_persistence_threshold": 10 * h,
+            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS}
+
+
+def _group(category: str, shape: tuple[int, ...], count: int, trainable: bool) -> ParamGroup:
+    return ParamGroup.model_construct(category=category, shape=shape, count=count, trainable=trainable)
+
+
+def _tp_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Megatron splits each matrix along one dimension; the larger one is split here (ceil), which
+    keeps the element count exact to within one row."""
+    if tp == 1 or not shape:
+        return shape
+    i = max(range(len(shape)), key=lambda k: shape[k])
+    return shape[:i] + (-(-shape[i] // tp),) + shape[i + 1:]
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGroup]:
+    """The parameter tensors one GPU of pipeline stage `stage` (0-based) holds, after TP sharding.
+    A group whose count is a multiple of the layer count belongs to the layers (count // L per layer);
+    what is left over (embedding / final norms, poolers) to the first or last stage."""
+    L = max(spec.total_layers, 1)
+    per_stage = -(-L // pp)
+    lo = stage * per_stage
+    n_layers = max(0, min(L, lo + per_stage) - lo)
+    first, last = stage == 0, stage == pp - 1
+    out: list[ParamGroup] = []
+    if tp == 1 and pp == 1:
+        return list(spec.params)
+    for g in spec.params:
+        shape = _tp_shape(g.shape, tp) if g.category in TP_SPLIT else g.shape
+        per_layer = g.count // L if g.category in LAYER_CATEGORIES else 0
+        if per_layer and n_layers:
+            out.append(_group(g.category, shape, per_layer * n_layers, g.trainable))
+        rest = g.count - per_layer * L
+        if rest and ((first and g.category == "embeddings") or (last and g.category != "embeddings")):
+            out.append(_group(g.category, shape, rest, g.trainable))
+    if last and pp > 1 and tied_head(spec):
+        # the last stage keeps its own copy of the tied matrix; the two copies' gradients are all-reduced
+        out.append(_group("head", _tp_shape((spec.vocab_size, spec.hidden_size), tp), 1, True))
+    return out
+
+
+def tied_head(spec: ModelSpec) -> bool:
+    """The LM head's weight is the input embedding matrix (tie_word_embeddings)."""
+    return spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm")
+
+
+def numel(ts: list[ParamGroup], trainable_only: bool = False) -> int:
+    return sum(t.total for t in ts if t.trainable or not trainable_only)
+
+
+@dataclass(frozen=True)
+class ZeroStates:
+    """Per-GPU bytes of the model states under DeepSpeed ZeRO (or torch DDP for stage 0)."""
+
+    weights: int  # parameters in their training dtype (half under DeepSpeed mixed precision)
+    gradients: int  # gradients alive through backward (and through forward under accumulation)
+    grads_persistent: bool  # the gradient buffer outlives the step (stage 3's grad_partitions_flat_buffer)
+    step_transient: int  # extra bytes created for the optimizer step (flattened + fp32 gradient partition)
+    optimizer_states: int  # fp32 master copy + optimizer moments (the GPU part)
+    comm_buffers: int  # reduce buckets, DDP bucket copies
+    gathered: int  # ZeRO-3: parameters gathered for the modules being computed
+    cpu: int  # host RAM this GPU's process holds for offload
+
+
+def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, offload: str, half: bool,
+                moments: float, accumulating: bool) -> ZeroStates:
+    """The states of one DeepSpeed rank holding tensors `ts`, partitioned over `dp` ranks (DeepSpeed
+    0.19 read for each term; P = parameters of this GPU, N = dp; docs/parallel.md).
+
+    Mixed precision (fp16 / bf16 section): half params and grads, fp32 master 4P/N and Adam moments 8P/N
+    (K = 12 of the ZeRO paper); fp32: 4-byte params and grads, no master copy.
+    Stages 1 and 2 (stage_1_and_2.py): full half params; stage 1 keeps the full half .grad until the
+    accumulation boundary, stage 2 copies each gradient into its partition (contiguous_gradients) and
+    frees it. Two reduce buckets (overlap_comm, which memplan turns on). At the step, the partition is
+    flattened (2P/N) and cast to fp32 (4P/N) for the optimizer; that is the "18" of DeepSpeed's own
+    estimator (2 + 4 + 4 + 8), and memplan adds the 2-byte flatten alive during the cast.
+    Stage 3 (stage3.py): params partitioned (2P/N) except those under the persistence threshold, a
+    persistent gradient partition (2P/N), one reduce bucket, the step's fp32 copy per sub-group
+    (<= sub_group_size), and the gathered parameters (see `gathered_numel`).
+    Offload of the optimizer: master, moments, the fp32 gradient and a half staging copy move to pinned
+    host RAM (stage 1/2: 18P/N, plus a half accumulation buffer under gradient accumulation; stage 3:
+    4 + 8 + 2 + 4 = 18P/N); offload of parameters (stage 3) moves the half partitions too (2P/N).
+    DeepSpeed without ZeRO (only used here under pipeline parallelism) is stage 1 with N = 1.
+    """
+    P = numel(ts)
+    Pt = numel(ts, trainable_only=True)
+    pb = 2 if half else 4
+    master = 4 if half else 0
+    b = ds_buckets(spec)
+    n = dp if zero else 1
+    part = lambda x: -(-x // n)  # noqa: E731  (flat buffers are padded to a multiple of the ranks)
+    opt = int((master + moments) * part(Pt))
+    largest = max((t.numel for t in ts if t.trainable), default=0)
+    if zero <= 2:
+        if offload == "none":
+            grads = Pt * pb if zero <= 1 else part(Pt) * pb
+            step = (pb + 4) * part(Pt) if half else 0
+            cpu = 0
+        else:
+            grads = largest * pb  # temp_grad_buffer_for_gpu_offload; partitions go to the host
+            step = 0
+            cpu = opt + 4 * part(Pt) + pb * part(Pt) + (pb * part(Pt) if accumulating else 0)
+            opt = 0
+        comm = 2 * b["reduce_bucket_size"] * pb
+        # the stage-2 partition (grads_in_partition) is freed at each step (_release_ipg_buffers)
+        return ZeroStates(P * pb, grads, False, step, opt, comm, 0, cpu)
+    persistent = sum(t.total for t in ts if t.numel <= b["stage3_param_persistence_threshold"])
+    sharded = P - persistent
+    weights = (part(sharded) + persistent) * pb
+    cpu = 0
+    if offload == "all":
+        cpu += part(sharded) * pb
+        weights = persistent * pb
+    grads = part(Pt) * pb
+    step = (pb + 4) * min(part(Pt), SUB_GROUP_SIZE) if half else 0
+    if offload != "none":
+        cpu += opt + grads + 4 * part(Pt)
+        opt, grads, step = 0, 0, 0
+    gathered = gathered_numel(spec, ts) * pb
+    return ZeroStates(weights, grads, True, step, opt, b["reduce_bucket_size"] * pb, gathered, cpu)
+
+
+SUB_GROUP_SIZE = 10**9  # DeepSpeed default sub_group_size (elements)
+STAGE3_MAX_REUSE_DISTANCE = 10**9  # DeepSpeed default (elements)
+
+
+def gathered_numel(spec: ModelSpec, ts: list[ParamGroup]) -> int:
+    """ZeRO-3 parameters gathered at the worst moment: the module being computed, the prefetch bucket,
+    and at the turn from forward to backward the last layers' parameters, which are not released
+    because they are reused within stage3_max_reuse_distance; at most stage3_max_live_parameters
+    (partitioned_param_coordinator.py: fetch_sub_module, __params_to_release)."""
+    b = ds_buckets(spec)
+    thr = b["stage3_param_persistence_threshold"]
+    sharded = sum(t.total for t in ts if t.numel > thr)
+    largest = max((t.numel for t in ts), default=0)
+    kept = min(STAGE3_MAX_REUSE_DISTANCE, b["stage3_max_live_parameters"], sharded)
+    return max(largest + b["stage3_prefetch_bucket_size"], kept) if sharded else 0
+
+
+def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, half: bool,
+                moments: float) -> ZeroStates:
+    """PyTorch FSDP2 (`fully_shard`, as accelerate applies it with an auto-wrap policy on the decoder /
+    encoder layer class). accelerate's mixed precision sets MixedPrecisionPolicy(param_dtype=half,
+    reduce_dtype=half) (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin.set_mixed_precision):
+    the sharded parameters, their gradients and the optimizer states stay fp32 (4 + 4 + 8 bytes / N);
+    a unit's parameters are all-gathered in half precision for its forward and backward.
+    - full-shard (reshard_after_forward=True): the layer being computed and the next one (FSDP2
+      prefetches one unit in forward and backward), the layer's unsharded half gradient before its
+      reduce-scatter, and the root unit (embeddings, head, final norm), which FSDP2 does not reshard
+      after forward because backward starts with it;
+    - shard-grad-op (reshard_after_forward=False): parameters stay gathered from forward to backward:
+      every parameter in half at the backward peak;
+    - hybrid-shard: full-shard over the GPUs of one node (N = gpus), replicated across nodes."""
+    n = gpus if strategy == "hybrid-shard" else dp
+    P = numel(ts)
+    Pt = numel(ts, trainable_only=True)
+    part = lambda x: -(-x // n)  # noqa: E731
+    pb = 2 if half else 4
+    layer, root = fsdp_units(spec)
+    gathered = P * pb if strategy == "shard-grad-op" else (3 * layer + root) * pb
+    return ZeroStates(part(P) * 4, part(Pt) * 4, False, 0, int(moments * part(Pt)), 0, gathered, 0)
+
+
+def fsdp_units(spec: ModelSpec) -> tuple[int, int]:
+    """(elements of one transformer layer, of the root unit: embeddings, head, norms outside layers)."""
+    L = max(spec.total_layers, 1)
+    layer = sum((g.count // L) * g.numel for g in spec.params if g.category in LAYER_CATEGORIES and g.count >= L)
+    return layer, spec.params_total - layer * L

@@ -1,0 +1,251 @@
+"""Build a ModelSpec from a transformers config: the real model on the meta device gives the exact
+parameter table (no weights are allocated or downloaded).
+
+This is the only module on the model path that imports torch/transformers; the catalog stores its output.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from typing import Any
+
+from memplan.errors import UserError
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+
+# Default head per architecture, and the Auto class that builds it (issue #2: sequence classification
+# with 2 labels for encoders, causal LM for decoders, seq2seq LM for T5, image classification for ViT).
+HEADS: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+    "base": "AutoModel",
+}
+DEFAULT_HEAD = {
+    "encoder": "sequence-classification",
+    "decoder": "causal-lm",
+    "encoder-decoder": "seq2seq-lm",
+    "vision": "image-classification",
+}
+DEFAULT_NUM_LABELS = 2
+
+# model_type -> architecture kind, MLP kind, norm, position encoding. Data, not if-chains.
+ARCH: dict[str, tuple[str, str, str, str]] = {
+    "bert": ("encoder", "plain", "layernorm", "learned"),
+    "roberta": ("encoder", "plain", "layernorm", "learned"),
+    "distilbert": ("encoder", "plain", "layernorm", "learned"),
+    "gpt2": ("decoder", "plain", "layernorm", "learned"),
+    "opt": ("decoder", "plain", "layernorm", "learned"),
+    "gpt_neox": ("decoder", "plain", "layernorm", "rotary"),
+    "t5": ("encoder-decoder", "plain", "rmsnorm", "relative"),
+    "llama": ("decoder", "gated", "rmsnorm", "rotary"),
+    "mistral": ("decoder", "gated", "rmsnorm", "rotary"),
+    "mixtral": ("decoder", "gated", "rmsnorm", "rotary"),
+    "qwen2": ("decoder", "gated", "rmsnorm", "rotary"),
+    "gemma": ("decoder", "gated", "rmsnorm", "rotary"),
+    "gemma2": ("decoder", "gated", "rmsnorm", "rotary"),
+    "phi3": ("decoder", "gated", "rmsnorm", "rotary"),
+    "vit": ("vision", "plain", "layernorm", "learned"),
+}
+
+# Parameter name -> category; first match wins (norms before attention: "attention.output.LayerNorm").
+# DistilBERT's `pre_classifier` is head; OPT's `project_in/out` (word_embed_proj_dim <-> hidden) belong to the
+# embeddings; transformers 5 names the Mixtral/Qwen-MoE router `mlp.gate` (not `mlp.gate_proj`).
+CATEGORY_RULES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(lm_head|classifier|pre_classifier|score|pooler|qa_outputs|embed_out|cls)\.", "head"),
+    (r"(norm|ln_\d|ln_f|layernorm|layer_norm)", "norms"),
+    (r"(embed|wte|wpe|\.shared\.|^shared\.|patch_embeddings|cls_token|relative_attention_bias|project_in|project_out)",
+     "embeddings"),
+    (r"\.experts\.", "experts"),
+    (r"(block_sparse_moe|\.moe|\.mlp)\.gate\.", "router"),
+    (r"(attn|attention|Attention|q_lin|k_lin|v_lin|out_lin)", "attention"),
+    (r"(mlp|intermediate|\.output\.dense|ffn|fc1|fc2|DenseReluDense|lin1|lin2|block_sparse_moe)", "mlp"),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for pattern, category in CATEGORY_RULES:
+        if re.search(pattern, name) or re.search(pattern, low):
+            return category
+    return "other"
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def load_config(config: dict[str, Any] | Any, trust_remote_code: bool = False) -> Any:
+    """A transformers PretrainedConfig from a config.json dict (or pass one through)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    d = copy.deepcopy(dict(config))  # transformers mutates nested dicts (rope_scaling gains rope_theta)
+    model_type = d.pop("model_type", None)
+    if model_type is None:
+        raise UserError("config has no 'model_type'; is it a transformers config.json?")
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (KeyError, ValueError) as e:
+        raise UserError(f"transformers does not know model_type {model_type!r}: {e}") from None
+
+
+def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """The transformers config and the head, checked: shared by the spec reader and the model builder."""
+    cfg = load_config(config, trust_remote_code)
+    mt = cfg.model_type
+    if mt not in ARCH:
+        supported = ", ".join(sorted(ARCH))
+        raise UserError(f"model_type {mt!r} has no activation model yet (supported: {supported})")
+    head = head or DEFAULT_HEAD[ARCH[mt][0]]
+    if head not in HEADS:
+        raise UserError(f"unknown head {head!r} (choose from {', '.join(HEADS)})")
+    if head in ("sequence-classification", "token-classification") and "num_labels" not in (
+        config if isinstance(config, dict) else {}
+    ):
+        if getattr(cfg, "num_labels", 2) == 2 and not getattr(cfg, "id2label", None):
+            cfg.num_labels = DEFAULT_NUM_LABELS
+    return cfg, head
+
+
+def spec_from_config(
+    config: dict[str, Any] | Any,
+    name: str,
+    head: str | None = None,
+    hf_id: str | None = None,
+    trust_remote_code: bool = False,
+) -> ModelSpec:
+    """Build the real model on the meta device and read its architecture and parameter table."""
+    import torch
+    import transformers
+
+    cfg, head = prepare_config(config, head, trust_remote_code)
+    mt = cfg.model_type
+    arch, mlp, norm, position = ARCH[mt]
+    auto = getattr(transformers, HEADS[head])
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(f"{name}: transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None
+
+    groups: Counter[tuple[str, tuple[int, ...], bool]] = Counter()
+    for pname, p in model.named_parameters():  # named_parameters() yields tied tensors once
+        groups[(categorize(pname), tuple(p.shape), p.requires_grad)] += 1
+    params = tuple(
+        ParamGroup(category=c, shape=s, count=n, trainable=t)  # type: ignore[arg-type]
+        for (c, s, t), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+    )
+
+    hidden = _get(cfg, "hidden_size", "d_model", "n_embd", "dim")
+    heads = _get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
+    kv_heads = _get(cfg, "num_key_value_heads", default=heads)
+    head_dim = _get(cfg, "head_dim", "d_kv", default=hidden // heads)
+    inter = _get(cfg, "intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim", default=4 * hidden)
+    if mt == "gpt2" and cfg.n_inner is None:
+        inter = 4 * hidden
+    act = _get(cfg, "hidden_act", "activation_function", "feed_forward_proj", "hidden_activation", "activation")
+    if mt == "t5":
+        # T5 "gated-gelu" (v1.1) is a gated MLP; original T5 is "relu", a plain one.
+        mlp = "gated" if str(act).startswith("gated") else "plain"
+        act = str(act).replace("gated-", "")
+    n_layers = _get(cfg, "num_hidden_layers", "num_layers", "n_layer", "n_layers")
+    n_dec = _get(cfg, "num_decoder_layers", default=0) if arch == "encoder-decoder" else 0
+    hidden_dropout = float(_get(cfg, "hidden_dropout_prob", "resid_pdrop", "dropout", "dropout_rate",
+                                "hidden_dropout", default=0.0))
+    attn_dropout = float(_get(cfg, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout",
+                              "dropout_rate", default=0.0))
+    max_pos = _get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0)
+    if arch == "encoder-decoder" and not max_pos:
+        max_pos = 512  # T5 has relative positions; 512 is its pre-training length
+    tie = bool(_get(cfg, "tie_word_embeddings", default=False)) and head in ("causal-lm", "seq2seq-lm", "masked-lm")
+    return ModelSpec(
+        name=name,
+        hf_id=hf_id,
+        model_type=mt,
+        arch=arch,  # type: ignore[arg-type]
+        head=head,
+        num_layers=int(n_layers),
+        num_decoder_layers=int(n_dec or 0),
+        hidden_size=int(hidden),
+        num_heads=int(heads),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(inter),
+        vocab_size=int(_get(cfg, "vocab_size", default=0)),
+        max_position=int(max_pos),
+        mlp=mlp,  # type: ignore[arg-type]
+        activation=str(act),
+        norm=norm,  # type: ignore[arg-type]
+        position=position,  # type: ignore[arg-type]
+        hidden_dropout=hidden_dropout,
+        attention_dropout=attn_dropout,
+        tie_embeddings=tie,
+        num_experts=int(_get(cfg, "num_local_experts", "num_experts", default=0)),
+        experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
+        num_labels=int(cfg.num_labels) if head in ("sequence-classification", "token-classification",
+                                                    "image-classification") else 0,
+        image_size=int(_get(cfg, "image_size", default=0)) if arch == "vision" else 0,
+        patch_size=int(_get(cfg, "patch_size", default=0)) if arch == "vision" else 0,
+        num_channels=int(_get(cfg, "num_channels", default=0)) if arch == "vision" else 0,
+        sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
+        final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
+        params=params,
+    )
+
+
+def meta_param_count(config: dict[str, Any], head: str) -> int:
+    """sum(p.numel() for p in model.parameters()) of the meta-device model: the exactness oracle."""
+    import torch
+    import transformers
+
+    cfg = load_config(config)
+    if head in ("sequence-classification", "token-classification") and "num_labels" not in config:
+        cfg.num_labels = DEFAULT_NUM_LABELS
+    with torch.device("meta"):
+        model = getattr(transformers, HEADS[head]).from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def is_moe_config(config: dict[str, Any] | Any) -> bool:
+    """Whether a config (dict or transformers object) has routed experts."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return bool(get("num_local_experts") or get("num_experts"))
+
+
+def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdpa", trust_remote_code: bool = False,
+                half_weights: bool = False):
+    """The transformers model of `head` for this config, with random weights in the current device / mode.
+
+    attn: transformers' attn_implementation ("eager", "sdpa", or "memplan": memplan.kernels' tiled
+    attention; memplan's flash runs as sdpa with the flash kernel forced, which keeps the same tensors as
+    FlashAttention-2)."""
+    import transformers
+
+    cfg, head = prepare_config(config, head, trust_remote_code)
+    cfg = copy.deepcopy(cfg)
+    auto = getattr(transformers, HEADS[head])
+    impl = attn if attn in ("eager", "memplan") else "sdpa"
+    if impl == "memplan":
+        from memplan.kernels import register
+
+        register()
+    extra = {}
+    if is_moe_config(cfg) and not half_weights:
+        # transformers' default MoE path (torch._grouped_mm) takes bf16 weights only; fp32 weights
+        # (fp32 and autocast training) run the per-expert loop
+        extra["experts_implementation"] = "eager"
+    try:
+        return auto.from_config(cfg, attn_implementation=impl, trust_remote_code=trust_remote_code, **extra), head
+    except ValueError as e:
+        raise UserError(f"transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None

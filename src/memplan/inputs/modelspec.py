@@ -1,0 +1,140 @@
+"""ModelSpec: the architecture facts and the exact parameter table of one model.
+
+The parameter table is a list of `ParamGroup` rows (category, shape, how many tensors of that shape),
+read off the real transformers model built on the meta device (see `memplan.inputs.hf`). Keeping shapes, not
+only totals, lets the byte rules be exact: the allocator rounds each tensor, 8-bit Adam only quantises
+tensors with >= 4096 elements, Adafactor factors each matrix into rows + cols.
+
+This module imports no torch: catalog specs are stored as JSON and loaded here.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Category = Literal["embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other"]
+CATEGORIES: tuple[str, ...] = ("embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other")
+
+Arch = Literal["encoder", "decoder", "encoder-decoder", "vision"]
+
+
+class ParamGroup(BaseModel):
+    """`count` parameter tensors of one shape and category."""
+
+    model_config = ConfigDict(frozen=True)
+
+    category: Category
+    shape: tuple[int, ...]
+    count: int = 1
+    trainable: bool = True
+
+    # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
+    # frozen model; it is not a field)
+    @cached_property
+    def numel(self) -> int:
+        """Elements of one tensor of this group."""
+        return math.prod(self.shape)
+
+    @cached_property
+    def total(self) -> int:
+        return self.numel * self.count
+
+
+class ModelSpec(BaseModel):
+    """What the estimator needs to know about a model; field names follow transformers' configs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    hf_id: str | None = None
+    model_type: str  # transformers `config.model_type`
+    arch: Arch
+    head: str  # "causal-lm", "sequence-classification", "seq2seq-lm", "image-classification", "base", ...
+    num_layers: int  # encoder layers for encoder-decoders
+    num_decoder_layers: int = 0
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    mlp: Literal["plain", "gated"]
+    activation: str  # transformers' activation name: gelu, gelu_new, silu, relu, gelu_pytorch_tanh, ...
+    norm: Literal["layernorm", "rmsnorm"]
+    position: Literal["learned", "rotary", "relative", "sinusoidal"]
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    num_labels: int = 0
+    image_size: int = 0
+    patch_size: int = 0
+    num_channels: int = 0
+    sliding_window: int | None = None
+    final_logit_softcapping: float | None = None
+    params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
+
+    # -- parameter totals -------------------------------------------------------------------------
+    @property
+    def params_total(self) -> int:
+        return sum(g.total for g in self.params)
+
+    @property
+    def params_trainable(self) -> int:
+        return sum(g.total for g in self.params if g.trainable)
+
+    def params_by_category(self) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for g in self.params:
+            out[g.category] += g.total
+        return {c: n for c, n in out.items() if n}
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(g.count for g in self.params)
+
+    @property
+    def largest_tensor(self) -> int:
+        return max((g.numel for g in self.params), default=0)
+
+    # -- derived architecture facts ---------------------------------------------------------------
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers + self.num_decoder_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def seq_positions(self) -> int:
+        """Tokens per sample the model sees: patches (+1 CLS) for ViT, else the max position."""
+        if self.arch == "vision":
+            return (self.image_size // self.patch_size) ** 2 + 1
+        return self.max_position
+
+
+def megatron_gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
+    """The GPT of the Megatron-LM papers (Narayanan et al. 2021, Korthikanti et al. 2022): LayerNorm,
+    fused QKV with biases, a 4h GeLU MLP, learned positions, a head tied to the embeddings, dropout.
+    For planning architectures that have no config file, and for comparing with published numbers."""
+    h, L = hidden, layers
+    params = (
+        ParamGroup(category="embeddings", shape=(vocab, h)), ParamGroup(category="embeddings", shape=(seq, h)),
+        ParamGroup(category="attention", shape=(3 * h, h), count=L), ParamGroup(category="attention", shape=(3 * h,), count=L),
+        ParamGroup(category="attention", shape=(h, h), count=L), ParamGroup(category="attention", shape=(h,), count=L),
+        ParamGroup(category="mlp", shape=(4 * h, h), count=L), ParamGroup(category="mlp", shape=(4 * h,), count=L),
+        ParamGroup(category="mlp", shape=(h, 4 * h), count=L), ParamGroup(category="mlp", shape=(h,), count=L),
+        ParamGroup(category="norms", shape=(h,), count=4 * L + 2),
+    )
+    return ModelSpec(name=f"megatron-gpt-{L}x{h}", model_type="megatron_gpt", arch="decoder", head="causal-lm",
+                     num_layers=L, hidden_size=h, num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
+                     intermediate_size=4 * h, vocab_size=vocab, max_position=seq, mlp="plain", activation="gelu",
+                     norm="layernorm", position="learned", hidden_dropout=0.1, attention_dropout=0.1,
+                     tie_embeddings=True, params=params)

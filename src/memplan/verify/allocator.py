@@ -1,0 +1,202 @@
+"""Pure-Python model of PyTorch's CUDA caching allocator (no torch import).
+
+Follows ``DeviceCachingAllocator`` in c10/cuda/CUDACachingAllocator.cpp with
+default settings, on a single stream:
+
+* ``round_size``: requests round up to a multiple of 512 B (kMinBlockSize).
+* ``get_pool``: rounded sizes <= 1 MiB (kSmallSize) use the small pool, the
+  rest the large pool; a free block is only reused within its own pool.
+* ``get_free_block``: best fit, the smallest free block with size >= request,
+  ties to the lowest address (``BlockComparatorSize``: stream, size, ptr).
+* ``get_allocation_size``: a miss cudaMallocs a new segment of 2 MiB
+  (kSmallBuffer) for small requests, 20 MiB (kLargeBuffer) for requests
+  < 10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB (kRoundLarge).
+* ``should_split``: the small pool splits when >= 512 B would remain, the large
+  pool only when > 1 MiB would remain; an unsplit block is handed out whole
+  and counts in full towards ``allocated_bytes`` (stats use ``block->size``).
+* ``free_block``/``try_merge_blocks``: a freed block merges with free
+  neighbours in its segment. Segments are never released, so reserved memory
+  only grows.
+
+Not modelled: expandable segments, ``roundup_power2_divisions``,
+``max_split_size_mb`` (default unlimited, so the oversize-block rules never
+fire), ``garbage_collection_threshold``, memory fractions, multiple streams /
+``record_stream`` events, CUDA-graph private pools, ``empty_cache`` and the OOM
+path (release of cached blocks and retry). cudaMalloc addresses are modelled
+as increasing with each new segment; they only matter for tie-breaking.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+# The allocator's constants and its two size rules live in rules.py (the estimator uses them too):
+# kMinBlockSize, kSmallSize; round_size -> round_block; get_allocation_size -> round_segment.
+from memplan.estimator.rules import ALLOC_MIN_BLOCK as MIN_BLOCK_SIZE
+from memplan.estimator.rules import ALLOC_SMALL_SIZE as SMALL_SIZE
+from memplan.estimator.rules import round_block as round_size
+from memplan.estimator.rules import round_segment as allocation_size
+
+__all__ = ["MIN_BLOCK_SIZE", "SMALL_SIZE", "AllocatorStats", "CachingAllocator", "allocation_size",
+           "reserved_for", "round_size", "should_split", "simulate"]
+
+
+def should_split(block_size: int, size: int) -> bool:
+    """``should_split`` (max_split_size unlimited, no expandable segments)."""
+    remaining = block_size - size
+    if size <= SMALL_SIZE:  # the pool is decided by the request size
+        return remaining >= MIN_BLOCK_SIZE
+    return remaining > SMALL_SIZE
+
+
+class _Block:
+    __slots__ = ("addr", "size", "small", "allocated", "prev", "next")
+
+    def __init__(self, addr: int, size: int, small: bool) -> None:
+        self.addr, self.size, self.small = addr, size, small
+        self.allocated = False
+        self.prev: Optional[_Block] = None
+        self.next: Optional[_Block] = None
+
+
+@dataclass
+class AllocatorStats:
+    peak_allocated: int  # torch.cuda.max_memory_allocated()
+    peak_reserved: int  # torch.cuda.max_memory_reserved()
+    final_allocated: int  # torch.cuda.memory_allocated() after the last event
+    final_reserved: int  # torch.cuda.memory_reserved() after the last event
+    segments: int  # cudaMalloc'ed segments at the end
+    peak_index: int  # event index where peak_reserved was first reached (-1: never)
+
+
+class CachingAllocator:
+    """Incremental simulator; ``malloc``/``free`` take caller-chosen int keys.
+
+    Every call (including zero-byte ones) counts as one event for ``peak_index``.
+    """
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = 0
+        self.peak_allocated = self.peak_reserved = 0
+        self.peak_index = -1
+        self.events = 0
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self._blocks: dict[int, _Block] = {}  # every block (free or live) by address
+        self._live: dict[int, _Block] = {}
+        self._zero: set[int] = set()  # zero-byte "allocations" (no allocator call)
+        self._segments: list[int] = []  # base address of each segment
+        self._next_addr = 0
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        index, self.events = self.events, self.events + 1
+        if key in self._live or key in self._zero:
+            raise ValueError(f"key {key} is already allocated")
+        if nbytes < 0:
+            raise ValueError(f"negative size {nbytes} for key {key}")
+        if nbytes == 0:  # torch never calls the allocator for empty tensors
+            self._zero.add(key)
+            return
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._take_free(size, small)
+        if block is None:  # alloc_block: cudaMalloc a new segment
+            seg = allocation_size(size)
+            block = _Block(self._next_addr, seg, small)
+            self._next_addr += seg
+            self._blocks[block.addr] = block
+            self._segments.append(block.addr)
+            self.reserved += seg
+            if self.reserved > self.peak_reserved:
+                self.peak_reserved, self.peak_index = self.reserved, index
+        if should_split(block.size, size):  # alloc_found_block
+            rest = _Block(block.addr + size, block.size - size, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._blocks[rest.addr] = rest
+            self._insert_free(rest)
+        block.allocated = True
+        self._live[key] = block
+        self.allocated += block.size  # block->size, not the request
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: int) -> None:
+        self.events += 1
+        if key in self._zero:
+            self._zero.remove(key)
+            return
+        block = self._live.pop(key, None)
+        if block is None:
+            raise KeyError(f"key {key} is not allocated")
+        block.allocated = False
+        self.allocated -= block.size
+        for other in (block.prev, block.next):  # free_block -> try_merge_blocks
+            if other is None or other.allocated:
+                continue
+            self._remove_free(other)
+            del self._blocks[other.addr]
+            if other is block.prev:
+                del self._blocks[block.addr]
+                block.addr, block.prev = other.addr, other.prev
+                if block.prev is not None:
+                    block.prev.next = block
+                self._blocks[block.addr] = block
+            else:
+                block.next = other.next
+                if block.next is not None:
+                    block.next.prev = block
+            block.size += other.size
+        self._insert_free(block)
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(self.peak_allocated, self.peak_reserved, self.allocated,
+                              self.reserved, len(self._segments), self.peak_index)
+
+    def layout(self) -> list[list[tuple[int, bool]]]:
+        """Per segment, in address order: ``(block size, allocated)`` for each block."""
+        out = []
+        for base in self._segments:
+            blocks, b = [], self._blocks[base]
+            while b is not None:
+                blocks.append((b.size, b.allocated))
+                b = b.next
+            out.append(blocks)
+        return out
+
+    def _take_free(self, size: int, small: bool) -> Optional[_Block]:
+        # get_free_block: lower_bound on (size, ptr). The max_split_size checks
+        # there never trigger with the default (SIZE_MAX) setting.
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        return self._blocks[pool.pop(i)[1]]
+
+    def _insert_free(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (block.size, block.addr))
+
+    def _remove_free(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        del pool[bisect.bisect_left(pool, (block.size, block.addr))]
+
+
+def simulate(events: Iterable[tuple[int, int]]) -> AllocatorStats:
+    """Replay ``(key, nbytes)`` events: nbytes > 0 allocates (0 is ignored),
+    nbytes < 0 (conventionally -1) frees the block allocated for ``key``."""
+    alloc = CachingAllocator()
+    for key, nbytes in events:
+        if nbytes < 0:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, nbytes)
+    return alloc.stats()
+
+
+def reserved_for(sizes: list[int]) -> int:
+    """Reserved bytes after allocating ``sizes`` once, in order, never freeing."""
+    alloc = CachingAllocator()
+    for key, nbytes in enumerate(sizes):
+        alloc.malloc(key, nbytes)
+    return alloc.reserved

@@ -1,0 +1,472 @@
+"""`memplan verify`: build the planned model from its config (random weights, nothing downloaded), run
+the planned training step on synthetic batches, and hold the estimate against what was measured.
+
+Devices:
+- fake: the full-size model as FakeTensors (no memory; runs anywhere) under CUDA semantics
+  (cudasim.CudaSemantics), every storage counted by tracer.LiveTracker; reserved memory from the
+  allocator simulation. Two optimizer steps, so the lazily created optimizer state is seen.
+- cpu: the same on real CPU tensors (a real run, for models that fit in RAM).
+- cuda: a real run on the GPU: torch.cuda.max_memory_allocated / max_memory_reserved and NVML.
+
+The step is HF Trainer's: forward with the loss inside the model (autocast for fp16 / bf16), backward,
+gradient clipping to 1.0 (Trainer's max_grad_norm), optimizer step, zero_grad(set_to_none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from memplan.errors import UserError
+from memplan.estimator.step import MemoryBreakdown
+from memplan.estimator.rules import PRECISIONS
+from memplan.inputs.workload import Workload
+
+DEFAULT_GPU = "a100-80g"  # verify without --gpu off a GPU: the profile the fake / cpu trace assumes
+OOM_EXIT = 3  # `memplan verify` exit code when the real run ran out of GPU memory (docs/verify.md)
+TOLERANCE = {"ok": 5.0, "close": 10.0}  # |error| % -> verdict; above: "off"
+# The tracer's categories that the estimate folds into another (the batch is counted with activations).
+TRACE_CATEGORIES = {"inputs": "activations"}
+
+
+class PlanOOM(UserError):
+    exit_code = OOM_EXIT
+
+
+class MeterCheck(BaseModel):
+    meter: str
+    predicted_bytes: int
+    measured_bytes: int
+    error_pct: float  # (predicted - measured) / measured
+    verdict: str
+    how: str  # measured / traced / modelled
+
+
+class VerifyReport(BaseModel):
+    device: str
+    device_note: str
+    model: str
+    gpu: str
+    workload: Workload
+    steps: int
+    meters: list[MeterCheck]
+    breakdown: dict[str, dict[str, int]]  # category -> {"predicted": .., "measured": ..}
+    peak_phase: str
+    peak_op: str
+    phases: dict[str, int]
+    sdpa_kernels: dict[str, int]
+    step_time_s: float | None
+    tokens_per_s: float | None
+    run_seconds: float
+    verdict: str  # of peak allocated, the meter every device measures directly
+    estimate: MemoryBreakdown
+    notes: list[str]
+
+
+def verdict(err_pct: float) -> str:
+    a = abs(err_pct)
+    return "ok" if a <= TOLERANCE["ok"] else "close" if a <= TOLERANCE["close"] else "off"
+
+
+def check(meter: str, predicted: int, measured: int, how: str) -> MeterCheck:
+    err = 100.0 * (predicted - measured) / measured if measured else 0.0
+    return MeterCheck(meter=meter, predicted_bytes=predicted, measured_bytes=measured, error_pct=round(err, 2),
+                      verdict=verdict(err), how=how)
+
+
+# -- the model and its batches -------------------------------------------------------------------------
+def make_batch(model, head: str, b: int, s: int, dtype, device: str) -> dict[str, Any]:
+    import torch
+
+    cfg = model.config
+    vocab = getattr(cfg, "vocab_size", 2) or 2
+    ids = lambda shape: torch.randint(0, vocab, shape, device=device)  # noqa: E731
+    labels = lambda n, shape: torch.randint(0, n, shape, device=device)  # noqa: E731
+    if head == "image-classification":
+        size, ch = cfg.image_size, getattr(cfg, "num_channels", 3)
+        return {"pixel_values": torch.randn(b, ch, size, size, device=device, dtype=dtype),
+                "labels": labels(cfg.num_labels, (b,))}
+    batch = {"input_ids": ids((b, s))}
+    if head == "seq2seq-lm":  # DataCollatorForSeq2Seq passes the shifted labels too
+        batch["decoder_input_ids"] = ids((b, s))
+    if head in ("causal-lm", "masked-lm", "seq2seq-lm"):
+        batch["labels"] = ids((b, s))
+    elif head == "sequence-classification":
+        batch["labels"] = labels(cfg.num_labels, (b,))
+    elif head == "token-classification":
+        batch["labels"] = labels(cfg.num_labels, (b, s))
+    elif head == "question-answering":
+        batch["start_positions"], batch["end_positions"] = labels(s, (b,)), labels(s, (b,))
+    else:
+        raise UserError(f"verify trains the model, and head {head!r} has no loss; pick a head with one "
+                        "(causal-lm, sequence-classification, ...)")
+    return batch
+
+
+def prepare_model(model, w: Workload) -> None:
+    import torch
+
+    if w.precision == "bf16-pure" and next(model.parameters()).dtype != torch.bfloat16:
+        model.to(torch.bfloat16)
+    if w.grad_ckpt == "full":
+        kwargs = {"use_reentrant": False}  # transformers 5's default, and torch's recommendation
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif w.grad_ckpt == "selective":
+        from memplan.selective import enable_selective
+
+        try:
+            enable_selective(model)
+        except ValueError as e:
+            raise UserError(f"--grad-ckpt selective: {e}") from None
+    if w.kernels or w.tiled_mlp:  # memplan's kernels, as the user's training script applies them
+        from memplan.kernels import apply
+
+        apply(model, loss=w.kernels, mlp=w.tiled_mlp)
+    model.train()
+
+
+# -- one training run ----------------------------------------------------------------------------------
+def train_steps(model, batch_fn: Callable[[], dict], optimizer, w: Workload, steps: int, *, tracker=None,
+                sem=None, autocast=None, on_phase: Callable[[int, str], None] | None = None) -> list[float]:
+    """HF Trainer's step, `steps` times (min(grad_accum, 2) micro batches each: the second one already
+    sees the accumulated gradients). Returns the wall time of each step."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    micro = min(w.grad_accum, 2)
+    times = []
+
+    def phase(step: int, name: str) -> None:
+        if tracker is not None:
+            tracker.set_phase(name)
+        if on_phase:
+            on_phase(step, name)
+
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(micro):
+            phase(step, "data")
+            batch = batch_fn()
+            phase(step, "forward")
+            if sem is not None:
+                sem.cache_enabled = True
+            with autocast() if autocast else contextlib.nullcontext():
+                loss = model(**batch).loss / w.grad_accum
+            if sem is not None:
+                sem.cache_enabled = False
+                sem.clear_cache()
+            del batch
+            phase(step, "backward")
+            loss.backward()
+            del loss
+            if tracker is not None:
+                tracker.classify([p.grad for p in params if p.grad is not None], "gradients")
+        phase(step, "optimizer")
+        if sem is not None:
+            sem.autocast = False
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if tracker is not None:
+            tracker.classify([t for st in optimizer.state.values() for t in st.values()
+                              if isinstance(t, torch.Tensor)], "optimizer_states")
+        optimizer.zero_grad(set_to_none=w.zero_grad == "set-to-none")
+        if sem is not None:
+            sem.autocast = sem.dtype is not None
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _half(w: Workload):
+    """The autocast dtype of this precision, or None (fp32, bf16-pure)."""
+    import torch
+
+    prec = PRECISIONS[w.precision]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[prec.half] if prec.autocast else None
+
+
+def setup(config, head: str | None, w: Workload, device: str):
+    """(model, head, optimizer, input dtype) for the plan, built on `device` with random weights; "meta"
+    builds on the meta device and materialises empty tensors of the active mode (FakeTensors)."""
+    import torch
+
+    from memplan.inputs.hf import build_model
+    from memplan.verify.optimizers import build_optimizer
+
+    half = w.precision == "bf16-pure"
+    dtype = torch.bfloat16 if half else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model, head = build_model(config, head, w.attn, half_weights=half)
+    if device == "meta":
+        _materialize(model, dtype)
+    prepare_model(model, w)
+    optimizer = build_optimizer(w.optim, [p for p in model.parameters() if p.requires_grad], momentum=w.momentum)
+    return model, head, optimizer, dtype
+
+
+def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], device: str, steps: int,
+               on_phase=None) -> dict[str, Any]:
+    """fake / cpu: the step under CudaSemantics with every storage tracked."""
+    from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.tracer import LiveTracker
+
+    fake = device == "fake"
+    if fake and _is_moe(config) and w.precision != "bf16-pure":
+        raise UserError("--device fake traces MoE models with bf16-pure weights only: with fp32 weights "
+                        "transformers routes tokens with data-dependent shapes (nonzero), which fake tensors "
+                        "cannot run; use --precision bf16-pure, or --device cpu / cuda")
+    mode = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    t0 = time.perf_counter()
+    with mode:
+        model, head, optimizer, dtype = setup(config, head, w, "meta" if fake else "cpu")
+        sem = CudaSemantics(_half(w), sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
+        tracker = LiveTracker()
+        with tracker:
+            tracker.register(list(model.parameters()) + list(model.buffers()), "weights")
+            with sem:
+                times = train_steps(model, lambda: make_batch(model, head, w.micro_batch, w.seq_len, dtype, "cpu"),
+                                    optimizer, w, steps, tracker=tracker, sem=sem, on_phase=on_phase)
+        summary = tracker.summarize()
+        model = optimizer = None
+    gc.collect()
+    return {"summary": summary, "times": times, "kernels": dict(sem.kernels), "seconds": time.perf_counter() - t0}
+
+
+def _is_moe(config) -> bool:
+    from memplan.inputs.hf import is_moe_config
+
+    return is_moe_config(config)
+
+
+def _materialize(model, dtype) -> None:
+    """Meta parameters and buffers -> empty CPU tensors of the active mode (FakeTensors under
+    FakeTensorMode), keeping tied parameters tied. Module.to_empty cannot swap meta for fake tensors."""
+    import torch
+
+    done: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = torch.empty_like(t, device="cpu", dtype=dtype if t.is_floating_point() else t.dtype)
+                    done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
+                table[name] = done[id(t)]
+
+
+def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None) -> dict[str, Any]:
+    """A real run on the GPU. Peak memory counts every step (the first creates the optimizer state);
+    the time is the median of the steps after the first."""
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = optimizer = None
+    try:
+        model, head, optimizer, dtype = setup(config, head, w, "cuda")
+        half = _half(w)
+        autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else None
+        kernel_ctx = contextlib.nullcontext()
+        if w.attn == "flash":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kernel_ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        with kernel_ctx:
+            times = train_steps(model, lambda: make_batch(model, head, w.micro_batch, w.seq_len, dtype, "cuda"),
+                                optimizer, w, steps + 1, autocast=autocast, on_phase=on_phase)
+        out = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+               "device_used": _nvml_used(), "times": times[1:]}
+    except torch.cuda.OutOfMemoryError as e:
+        allocated = torch.cuda.memory_allocated()
+        model = optimizer = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        first = str(e).splitlines()[0][:200]
+        raise PlanOOM(f"CUDA out of memory in the planned step ({allocated / 2**30:.2f} GiB allocated when it "
+                      f"failed): {first}") from None
+    model = optimizer = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _nvml_used() -> int:
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload, steps: int, cuda_context: int,
+            device_note: str) -> VerifyReport:
+    notes: list[str] = []
+    ws = est.breakdown.get("workspace", 0)
+    # The tracer sees tensors, not the cuBLAS workspace: fake / cpu compare the estimate's tensor part.
+    predicted_tensors = est.peak_allocated_bytes - ws
+    tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)
+    if device == "cuda":
+        meters = [check("peak_allocated", est.peak_allocated_bytes, run["allocated"], "measured"),
+                  check("peak_reserved", est.peak_reserved_bytes, run["reserved"], "measured"),
+                  check("device_used", est.device_used_bytes, run["device_used"], "measured (NVML)")]
+        breakdown: dict[str, dict[str, int]] = {}
+        peak_phase, peak_op, phases, kernels = est.peak_phase, "", {}, {}
+        times = run["times"]
+    else:
+        s = run["summary"]
+        measured: dict[str, int] = {}
+        for k, v in s.breakdown.items():
+            key = TRACE_CATEGORIES.get(k, k)
+            measured[key] = measured.get(key, 0) + v
+        keys = [k for k in est.breakdown if k not in ("workspace", "allocator_overhead", "cuda_context")]
+        breakdown = {k: {"predicted": est.breakdown.get(k, 0), "measured": measured.get(k, 0)}
+                     for k in dict.fromkeys(keys + list(measured))}
+        reserved = s.peak_reserved + ws  # the workspace is its own segment
+        meters = [check("peak_allocated", predicted_tensors, s.peak_allocated, "traced tensors"),
+                  check("peak_reserved", est.peak_reserved_bytes, reserved,
+                        "modelled: allocator simulation of the traced allocations + cuBLAS workspace"),
+                  check("device_used", est.device_used_bytes, reserved + cuda_context,
+                        "modelled: simulated reserved + the profile's CUDA context")]
+        notes.append("peak_allocated compares tensor bytes: the estimate's cuBLAS workspace "
+                     f"({ws / 2**20:.0f} MiB) is not a tensor and is left out of both sides")
+        peak_phase, peak_op, phases, kernels = s.peak_phase, s.peak_op, s.phases, run["kernels"]
+        times = run["times"] if device == "cpu" else []
+        if device == "cpu" and kernels.get("flash", 0) + kernels.get("efficient", 0):
+            notes.append("cpu: fused CPU attention kernel stands in for CUDA's (same saved tensors; "
+                         "attention dropout is not applied on the CPU)")
+    step = sorted(times)[len(times) // 2] if times else None
+    return VerifyReport(
+        device=device, device_note=device_note, model=est.model.name, gpu=est.gpu, workload=w, steps=steps,
+        meters=meters, breakdown=breakdown, peak_phase=peak_phase, peak_op=peak_op, phases=phases,
+        sdpa_kernels=kernels, step_time_s=round(step, 4) if step else None,
+        tokens_per_s=round(tokens / step, 1) if step else None, run_seconds=round(run.get("seconds", sum(times)), 2),
+        verdict=meters[0].verdict, estimate=est, notes=notes)
+
+
+# -- the command ---------------------------------------------------------------------------------------
+class _Progress:
+    """A transient progress line on stderr, shown only once the run has taken more than a second."""
+
+    def __init__(self, steps: int, label: str, enabled: bool):
+        self.t0, self.steps, self.label, self.enabled = time.perf_counter(), steps, label, enabled
+        self.bar = self.task = None
+
+    def __call__(self, step: int, phase: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None and time.perf_counter() - self.t0 > 1.0:
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("")
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"{self.label}: step {step + 1}/{self.steps}, {phase}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def read_plan(path: str, index: int) -> tuple[str, str, dict[str, Any]]:
+    """(model, gpu, workload fields) from a file `memplan suggest --json` wrote (or one of its plans)."""
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--plan: cannot read {path!r}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"--plan: {path!r} is not JSON; expected what `memplan suggest --json` writes") from None
+    plan = None
+    if isinstance(doc, dict) and isinstance(doc.get("plans"), list):
+        if not doc["plans"]:
+            raise UserError(f"--plan: {path!r} has no plans (nothing fitted when it was made)")
+        if not 0 <= index < len(doc["plans"]):
+            raise UserError(f"--plan-index {index}: {path!r} has {len(doc['plans'])} plans")
+        plan = doc["plans"][index]
+    elif isinstance(doc, dict) and "micro_batch" in doc:
+        plan = doc
+    est = plan.get("estimate") if isinstance(plan, dict) else None
+    if not isinstance(est, dict) or not isinstance(est.get("workload"), dict) or "model" not in est:
+        raise UserError(f"--plan: {path!r} is not a memplan plan; expected what `memplan suggest --json` writes")
+    model = est["model"].get("hf_id") or est["model"].get("name")
+    return model, est.get("gpu", ""), dict(est["workload"])
+
+
+def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_remote_code: bool = False,
+        plan_file: str | None = None, plan_index: int = 0, device: str = "auto", steps: int = 2,
+        progress: bool = False, **given: Any) -> VerifyReport:
+    """Resolve the plan, run it on `device`, compare with the estimate (the API behind `memplan verify`)."""
+    from memplan import api
+    from memplan.inputs.catalog import resolve_config
+    from memplan.search.suggestion import default_seq_len
+
+    work: dict[str, Any] = {}
+    if plan_file:
+        p_model, p_gpu, work = read_plan(plan_file, plan_index)
+        model, gpu = model or p_model, gpu or p_gpu
+    if not model:
+        raise UserError("verify needs --model (or --plan FILE)")
+    if steps < 1:
+        raise UserError("--steps must be at least 1")
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "fake"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible to torch (use --device fake or cpu)")
+    notes = []
+    if not gpu:  # the GPU in hand, or the profile whose attention kernels and context the trace assumes
+        gpu = "auto" if device == "cuda" else DEFAULT_GPU
+        if device != "cuda":
+            notes.append(f"no --gpu given: the trace assumes {DEFAULT_GPU} (its attention kernels and CUDA context)")
+    work.update({k: v for k, v in given.items() if v is not None})
+    if work.get("task", "train") != "train":
+        raise UserError("verify runs training steps; --task infer is not verified yet")
+    spec, prof = api._spec(model, head, trust_remote_code), api._gpu(gpu)
+    work.setdefault("seq_len", default_seq_len(spec, "train"))
+    est = api.estimate(spec, prof, **work)
+    w = est.workload
+    if w.world > 1 or w.zero or w.fsdp != "none":
+        raise UserError("verify runs the single-GPU Trainer step; multi-GPU plans (data / tensor / pipeline "
+                        "parallel, ZeRO, FSDP) are not verified yet")
+    config, head = resolve_config(model, head, trust_remote_code)
+    note = {"cuda": f"real run on {torch.cuda.get_device_name() if device == 'cuda' else ''}",
+            "cpu": "real run on the CPU with CUDA memory semantics (memplan.verify.cudasim), tensors counted",
+            "fake": "full-size model under FakeTensorMode with CUDA semantics; no memory used"}[device]
+    bar = _Progress(steps, f"verify ({device})", progress)
+    try:
+        t0 = time.perf_counter()
+        bar(0, "building the model")
+        if device == "cuda":
+            result = run_cuda(config, head, w, steps, on_phase=bar)
+            result["seconds"] = time.perf_counter() - t0
+        else:
+            result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar)
+    finally:
+        bar.close()
+    report = compare(est, device, result, w, steps, prof.cuda_context_bytes, note)
+    report.notes[:0] = notes
+    return report
