@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cli_suggest import machine, save  # same folder: run as python benchmarks/mlp_memory.py
 from memplan.kernels.mlp import default_chunk, gated_act, reference_gated, tiled_mlp
-from memplan.estimator.rules import round_block
+from memplan.estimator.allocation import round_block
 from memplan.verify.tracer import LiveTracker
 
 

@@ -129,7 +129,7 @@ def grid() -> list[dict]:
     return _estimates() + _searches()
 
 
-def _key(case: dict) -> str:
+def key(case: dict) -> str:
     kw = ",".join(f"{k}={v}" for k, v in sorted(case["kw"].items()))
     return f"{case['kind']} {case['model']} {case['gpu']} {kw}"
 
@@ -166,22 +166,22 @@ def compute(one_process: bool) -> dict[str, dict]:
     else:
         with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
             results = pool.map(_forked, cases, chunksize=1)
-    return {_key(c): r for c, r in zip(cases, results)}
+    return {key(c): r for c, r in zip(cases, results)}
 
 
-def _differences(old, new, tol: float, path: str = "") -> list[str]:
+def differences(old, new, tol: float, path: str = "") -> list[str]:
     """Every leaf that differs: numbers by more than `tol` (relative), anything else at all."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = [f"{path}/{k}: only in the snapshot" for k in old if k not in new]
         out += [f"{path}/{k}: only in this run" for k in new if k not in old]
         for k in old:
             if k in new:
-                out += _differences(old[k], new[k], tol, f"{path}/{k}")
+                out += differences(old[k], new[k], tol, f"{path}/{k}")
         return out
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):
             return [f"{path}: {len(old)} entries -> {len(new)}"]
-        return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, tol, f"{path}[{i}]")]
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in differences(a, b, tol, f"{path}[{i}]")]
     if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool):
         if abs(new - old) > tol * max(abs(old), 1e-30):
             return [f"{path}: {old} -> {new} ({(new - old) / max(abs(old), 1e-30):+.3%})"]
@@ -209,7 +209,7 @@ def main() -> int:
     if args.check:
         with open(args.check) as f:
             old = json.load(f)["configurations"]
-        diffs = _differences(old, numbers, args.tol)
+        diffs = differences(old, numbers, args.tol)
         for d in diffs:
             print(d)
         changed = {d.split("/")[1] for d in diffs}

@@ -4,8 +4,9 @@ import pytest
 
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.estimator.rules import (
-    BNB_BLOCK, OPTIMIZERS, PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
+    BNB_BLOCK, OPTIMIZERS, PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes,
 )
+from memplan.estimator.allocation import round_block, round_segment
 from memplan.estimator import step as estimator
 from memplan.inputs.workload import Workload
 
@@ -109,4 +110,5 @@ def test_foreach_adamw_temporaries(v100):
 def test_kv_cache_formula():
     spec = _tiny_spec(num_kv_heads=2)
     # 2 * layers * seqs * len * kv_heads * head_dim * bytes
-    assert estimator.kv_cache_bytes(spec, 3, 100, 2) == 2 * 2 * 3 * 100 * 2 * 16 * 2
+    from memplan.estimator.inference import kv_cache_bytes
+    assert kv_cache_bytes(spec, 3, 100, 2) == 2 * 2 * 3 * 100 * 2 * 16 * 2

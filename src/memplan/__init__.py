@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 from memplan.api import estimate, suggest, workload  # noqa: E402
 from memplan.inputs.catalog import list_models, resolve_model  # noqa: E402
 from memplan.errors import UserError  # noqa: E402
-from memplan.estimator.step import MemoryBreakdown  # noqa: E402
+from memplan.estimator.breakdown import MemoryBreakdown  # noqa: E402
 from memplan.inputs.modelspec import ModelSpec, ParamGroup  # noqa: E402
 from memplan.inputs.profiles import GPUProfile, list_gpus, load_gpu  # noqa: E402
 from memplan.search.suggestion import Plan, Suggestion  # noqa: E402

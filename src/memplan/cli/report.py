@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from memplan.estimator.step import MemoryBreakdown
+from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.search.rank import sharding_label
 from memplan.search.suggestion import Suggestion
 

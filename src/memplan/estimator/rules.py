@@ -195,22 +195,6 @@ ALLOC_MIN_LARGE_ALLOC = 10 << 20
 ALLOC_ROUND_LARGE = 2 << 20
 
 
-def round_block(nbytes: float) -> int:
-    """Bytes the allocator charges to memory_allocated for one tensor."""
-    n = int(nbytes)
-    return -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK if n > 0 else 0
-
-
-def round_segment(nbytes: float) -> int:
-    """Bytes of cudaMalloc'd segment a lone tensor of this size reserves when no cached block fits."""
-    n = round_block(nbytes)
-    if n <= ALLOC_SMALL_SIZE:
-        return ALLOC_SMALL_BUFFER
-    if n < ALLOC_MIN_LARGE_ALLOC:
-        return ALLOC_LARGE_BUFFER
-    return -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE
-
-
 # -- memplan.kernels.linear_cross_entropy (kernels/cross_entropy.py, docs/kernels.md) -------------------
 # fp32 bytes of one block of logits: the forward's token chunk, the backward's vocabulary x token blocks
 FUSED_LOSS_CHUNK_BYTES = 64 << 20

@@ -80,6 +80,15 @@ class ModelSpec(BaseModel):
     final_logit_softcapping: float | None = None
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
 
+    # A spec is a cache key of the estimator's per-stage results (estimator/states.py, acts.py), looked
+    # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).
+    @cached_property
+    def fields_hash(self) -> int:
+        return hash((type(self), tuple(self.__dict__[k] for k in type(self).model_fields)))
+
+    def __hash__(self) -> int:
+        return self.fields_hash
+
     # -- parameter totals -------------------------------------------------------------------------
     @property
     def params_total(self) -> int:

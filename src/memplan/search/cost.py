@@ -11,7 +11,10 @@ masks in fused kernels that skip masked tiles. MoE counts only the K routed expe
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
+
+import numpy as np
 
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -40,19 +43,10 @@ class Throughput(NamedTuple):
     terms: "StepTime | None" = None  # type: ignore[assignment]
 
 
+@lru_cache(maxsize=64)
 def active_params(spec: ModelSpec) -> int:
-    hit = _ACTIVE.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    n = _active_params(spec)
-    _ACTIVE[id(spec)] = (spec, n)
-    return n
-
-
-_ACTIVE: dict = {}
-
-
-def _active_params(spec: ModelSpec) -> int:
+    """Parameters one token's forward multiplies by: the dense ones, the tied matrix as the LM head,
+    and K of the E experts (cached per model: the search reads it for every row)."""
     by = spec.params_by_category()
     dense = sum(n for c, n in by.items() if c not in ("experts", "embeddings"))
     if spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm"):
@@ -104,7 +98,7 @@ def inter_node_gbs(gpu: GPUProfile, w: Workload) -> float:
     return (w.net_gbs or NET_GBS_BY_ARCH.get(gpu.compute_capability[0], NET_GBS_DEFAULT)) * LINK_EFFICIENCY
 
 
-def _group_bw(gpu: GPUProfile, w: Workload, stride: int, size: int) -> float:
+def group_bw(gpu: GPUProfile, w: Workload, stride: int, size: int) -> float:
     """Bytes/s of a collective over `size` ranks spaced `stride` apart in the rank order: inside a
     node when the whole group fits in one, else limited by the network."""
     return (intra_node_gbs(gpu) if stride * size <= w.gpus else inter_node_gbs(gpu, w)) * 1e9
@@ -134,108 +128,137 @@ class StepTime(NamedTuple):
         return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.optimizer
 
 
-def step_time(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float, state_bytes: float,
-              params_per_gpu: int, half: bool, mb: int, m: int, hw_f: float | None = None) -> StepTime:
-    """One optimizer step of one data-parallel replica (mb sequences x m micro batches); every rank
-    takes the same time."""
-    seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
-    tokens = mb * seq
-    dtype = COMPUTE_DTYPE[w.precision]
-    peak = gpu.tflops.get(dtype) or gpu.tflops.get("fp32", 1.0)
+def efficiency(tokens, width: float):
+    """Fraction of peak a matmul reaches: PEAK_EFFICIENCY, halved at TOKENS_HALF tokens per micro batch
+    and at HIDDEN_HALF width (numbers or arrays)."""
+    return PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
+
+
+def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.ndarray, m: np.ndarray,
+              saved: np.ndarray, state: np.ndarray, params: np.ndarray) -> np.ndarray:
+    """(6, B, K) seconds per optimizer step of one data-parallel replica, in StepTime's order, for the
+    rows `bases` (one layout) x the micro batches `mb` (m micro batches each); every rank takes the
+    same time. saved, state, params: (B, K) saved activation bytes, weights + gradients + states, and
+    the parameters one GPU holds."""
+    w0 = bases[0]
+    seq = spec.seq_positions if spec.arch == "vision" else w0.seq_len
+    tokens = (mb * seq).astype(np.float64)[None, :]
+    m = m.astype(np.float64)[None, :]
+    peak = _col([peak_tflops(gpu, w.precision) for w in bases])
     # the matmuls of one TP rank are 1/tp as wide: the shape efficiency sees hidden / tp
-    width = spec.hidden_size / w.tp
-    eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
+    eff = efficiency(tokens, spec.hidden_size / w0.tp)
     bw = gpu.memory_bandwidth_gbs * 1e9
-    if hw_f is None:
-        hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)[1]
-    dp = w.dp
-    compute_micro = hw_f * tokens / (w.tp * w.pp) / (peak * 1e12 * eff)
-    micro = compute_micro + ACTIVATION_TRAFFIC * saved_activation_bytes / bw
-    compute = micro * m
+    hw_f = _col([flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)[1] for w in bases])
+    compute_micro = hw_f * tokens / (w0.tp * w0.pp) / (peak * 1e12 * eff)
+    micro = compute_micro + ACTIVATION_TRAFFIC * saved / bw
+    vpp = _col([w.vpp for w in bases])
     # 1F1B: (pp - 1) micro-batch slots of fill and drain, divided by the virtual stages when interleaved
-    bubble = micro * (w.pp - 1) / w.vpp
+    bubble = micro * (w0.pp - 1) / vpp
+    half = _col([w.precision != "fp32" for w in bases]).astype(bool)
+    act_bytes = np.where(half, 2.0, 4.0)
+    terms = (micro * m, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
+             _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
+             _dp_comm(gpu, bases, m, half, params, compute_micro), _optimizer(gpu, bases, m, params, state, bw))
+    return np.stack([np.broadcast_to(x, saved.shape) for x in terms])
 
-    act_bytes = 2 if half else 4
-    layers = spec.total_layers / w.pp
-    intra = intra_node_gbs(gpu) * 1e9
-    tp_comm = 0.0
-    if w.tp > 1:
-        # Megatron: 2 all-reduces in forward and 2 in backward per layer over b*s*h (with SP: an
-        # all-gather + reduce-scatter pair each, the same volume); full recompute repeats the forward's
-        n_ar = 4 + (2 if w.grad_ckpt == "full" else 0)
-        tp_comm = m * layers * n_ar * ring(w.tp, tokens * spec.hidden_size * act_bytes, intra, "all-reduce")
-    pp_comm = 0.0
-    if w.pp > 1:
-        # each micro batch crosses every stage boundary forward and backward (vpp times when
-        # interleaved); with SP the message is split over the TP ranks
-        msg = tokens * spec.hidden_size * act_bytes / (w.tp if w.sp else 1)
-        p2p_bw = _group_bw(gpu, w, w.tp * dp, w.pp)
-        pp_comm = 2 * m * w.vpp * msg / p2p_bw
-    dp_comm = 0.0
-    sharded = w.zero or w.fsdp != "none"
-    g_bytes = params_per_gpu * (2 if (half and sharded) else 4)  # FSDP: reduce_dtype = the half dtype
-    p_bytes = params_per_gpu * (2 if half else 4)
-    dpbw = _group_bw(gpu, w, w.tp, dp)
+
+def _tp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], tokens, m, act_bytes):
+    """Megatron: 2 all-reduces in forward and 2 in backward per layer over b*s*h (with SP: an
+    all-gather + reduce-scatter pair each, the same volume); full recompute repeats the forward's."""
+    w0 = bases[0]
+    if w0.tp == 1:
+        return 0.0
+    n_ar = _col([4 + (2 if w.grad_ckpt == "full" else 0) for w in bases])
+    per_layer = ring(w0.tp, 1.0, intra_node_gbs(gpu) * 1e9, "all-reduce") * tokens * spec.hidden_size * act_bytes
+    return m * spec.total_layers / w0.pp * n_ar * per_layer
+
+
+def _pp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], tokens, m, act_bytes, vpp):
+    """Each micro batch crosses every stage boundary forward and backward (vpp times when interleaved);
+    with SP the message is split over the TP ranks."""
+    w0 = bases[0]
+    if w0.pp == 1:
+        return 0.0
+    msg = tokens * spec.hidden_size * act_bytes / _col([w0.tp if w.sp else 1 for w in bases])
+    return 2 * m * vpp * msg / group_bw(gpu, w0, w0.tp * w0.dp, w0.pp)
+
+
+def _dp_comm(gpu: GPUProfile, bases: list[Workload], m, half, params, compute_micro):
+    """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`)."""
+    w0, dp = bases[0], bases[0].dp
+    zero = _col([w.zero for w in bases])
+    sharded = (zero > 0) | _col([w.fsdp != "none" for w in bases]).astype(bool)
+    g_bytes = params * np.where(half & sharded, 2.0, 4.0)  # FSDP: reduce_dtype = the half dtype
+    p_bytes = params * np.where(half, 2.0, 4.0)
+    if dp == 1:
+        return np.zeros(params.shape)
+    dpbw = group_bw(gpu, w0, w0.tp, dp)
+    ar, ag = ring(dp, 1.0, dpbw, "all-reduce"), ring(dp, 1.0, dpbw, "all-gather")
     backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
-    if dp > 1 and w.fsdp != "none":
-        # FSDP2: every micro batch all-gathers each unit in forward (and again in backward unless
-        # shard-grad-op kept it) and reduce-scatters its gradients, prefetched behind compute; hybrid
-        # shards inside a node and all-reduces its gradient shard across nodes once per step
-        n = w.gpus if w.fsdp == "hybrid-shard" else dp
-        bw_n = _group_bw(gpu, w, 1, n)
-        gathers = 1 if w.fsdp == "shard-grad-op" else 2
-        per_micro = gathers * ring(n, p_bytes, bw_n, "all-gather") + ring(n, g_bytes, bw_n, "reduce-scatter")
-        dp_comm = m * max(per_micro - compute_micro, 0.0)
-        if w.fsdp == "hybrid-shard":
-            dp_comm += ring(dp // n, g_bytes / n, inter_node_gbs(gpu, w) * 1e9, "all-reduce")
-    elif dp > 1:
-        if w.zero in (0, 1):
-            # one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
-            # boundary, overlapped with the last micro batch's backward
-            dp_comm = max(ring(dp, g_bytes, dpbw, "all-reduce") - backward, 0.0)
-        elif w.zero == 2:
-            # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the
-            # updated parameters after the step
-            rs = ring(dp, g_bytes, dpbw, "reduce-scatter")
-            dp_comm = m * max(rs - backward, 0.0) + ring(dp, p_bytes, dpbw, "all-gather")
-        else:
-            # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again
-            # in backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
-            per_micro = 2 * ring(dp, p_bytes, dpbw, "all-gather") + ring(dp, g_bytes, dpbw, "reduce-scatter")
-            dp_comm = m * max(per_micro - compute_micro, 0.0)
-    n_opt = params_per_gpu / (dp if sharded else 1)
-    if w.offload == "none":
-        optimizer = OPTIMIZER_TRAFFIC * state_bytes / bw
-    else:
-        # CPU Adam over the GPUs of a node sharing the host's memory bandwidth, plus the PCIe copies:
-        # half gradients down every micro batch (ZeRO-2/3 partitions), updated half params up
-        cpu = CPU_ADAM_BYTES_PER_PARAM * n_opt * w.gpus / (HOST_MEMORY_GBS * 1e9)
-        pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
-        optimizer = cpu + (m * 2 * n_opt + 2 * n_opt) / pcie
-        if w.offload == "all":  # parameters come up over PCIe for forward and backward of each micro batch
-            optimizer += m * 2 * (params_per_gpu / dp) * 2 / pcie
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, optimizer)
+    # ZeRO-0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
+    # boundary, overlapped with the last micro batch's backward
+    z01 = np.maximum(ar * g_bytes - backward, 0.0)
+    # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the updated parameters
+    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * p_bytes
+    # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
+    # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
+    z3 = m * np.maximum(2 * ag * p_bytes + ag * g_bytes - compute_micro, 0.0)
+    dp_comm = np.where(zero <= 1, z01, np.where(zero == 2, z2, z3))
+    for i, w in enumerate(bases):
+        if w.fsdp != "none":
+            dp_comm[i] = _fsdp_comm(gpu, w, m[0], p_bytes[i], g_bytes[i], compute_micro[i])
+    return dp_comm
 
 
-def throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
-               state_bytes: float, params_per_gpu: int | None = None, half: bool = True, mb: int | None = None,
-               m: int | None = None) -> Throughput:
-    mb = w.micro_batch if mb is None else mb
-    m = w.grad_accum if m is None else m
+def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro):
+    """FSDP2: every micro batch all-gathers each unit in forward (and again in backward unless
+    shard-grad-op kept it) and reduce-scatters its gradients, prefetched behind compute; hybrid shards
+    inside a node and all-reduces its gradient shard across nodes once per step."""
+    n = w.gpus if w.fsdp == "hybrid-shard" else w.dp
+    bw_n = group_bw(gpu, w, 1, n)
+    gathers = 1 if w.fsdp == "shard-grad-op" else 2
+    per = gathers * ring(n, 1.0, bw_n, "all-gather") * p_bytes + ring(n, 1.0, bw_n, "reduce-scatter") * g_bytes
+    out = m * np.maximum(per - compute_micro, 0.0)
+    if w.fsdp == "hybrid-shard":
+        out = out + ring(w.dp // n, 1.0, inter_node_gbs(gpu, w) * 1e9, "all-reduce") * g_bytes / n
+    return out
+
+
+def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, state, bw: float):
+    """The optimizer step: GPU memory traffic, or under offload CPU Adam over the GPUs of a node sharing
+    the host's memory bandwidth plus the PCIe copies (half gradients down every micro batch, updated half
+    parameters up; with parameter offload the parameters come up for forward and backward too)."""
+    w0, dp = bases[0], bases[0].dp
+    sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
+    n_opt = params / np.where(sharded, dp, 1)
+    pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
+    cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * 2 * n_opt + 2 * n_opt) / pcie)
+    all_extra = m * 2 * (params / dp) * 2 / pcie
+    off = _col([w.offload != "none" for w in bases]).astype(bool)
+    off_all = _col([w.offload == "all" for w in bases]).astype(bool)
+    return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), OPTIMIZER_TRAFFIC * state / bw)
+
+
+def peak_tflops(gpu: GPUProfile, precision: str) -> float:
+    """The GPU's dense peak in the compute dtype of a precision."""
+    return gpu.tflops.get(COMPUTE_DTYPE[precision]) or gpu.tflops.get("fp32", 1.0)
+
+
+def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
+                         state_bytes: float) -> Throughput:
+    """One forward of the micro batch: the matmuls at the shape's efficiency, plus reading the weights
+    (and KV cache) and the working set once; every data-parallel replica serves its own batches."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
-    tokens = mb * seq
-    dtype = COMPUTE_DTYPE[w.precision]
-    peak = gpu.tflops.get(dtype) or gpu.tflops.get("fp32", 1.0)
-    if w.task == "infer":
-        eff = PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * spec.hidden_size / (spec.hidden_size + HIDDEN_HALF)
-        fwd = 2 * active_params(spec) * tokens
-        t = fwd / (peak * 1e12 * eff) + (state_bytes + saved_activation_bytes) / (gpu.memory_bandwidth_gbs * 1e9)
-        # every data-parallel replica serves its own batches
-        return Throughput(t, mb * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
-    model_f, hw_f = flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
-    st = step_time(spec, gpu, w, saved_activation_bytes, state_bytes,
-                   params_per_gpu if params_per_gpu is not None else spec.params_total, half, mb, m, hw_f)
-    return rates(w, mb, m, seq, st.total, model_f, peak, st)
+    tokens = w.micro_batch * seq
+    peak = peak_tflops(gpu, w.precision)
+    fwd = 2 * active_params(spec) * tokens
+    t = fwd / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
+        gpu.memory_bandwidth_gbs * 1e9)
+    return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
+
+
+def _col(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64)[:, None]
 
 
 def rates(w: Workload, mb: int, m: int, seq: int, step: float, model_flops_per_token: float, peak_tflops: float,

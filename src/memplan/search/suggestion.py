@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from memplan.search.cost import COMPUTE_DTYPE, StepTime, flops_per_token, rates, throughput
+from memplan.search.cost import COMPUTE_DTYPE, StepTime, flops_per_token, inference_throughput, rates
 from memplan.search.rank import Candidate, distinct, explain, pareto, rank_key
 from memplan.errors import UserError
 from memplan.estimator.step import (
@@ -205,10 +205,11 @@ def _layouts(spec: ModelSpec, world: int, gpus: int, tps, pps, gb: int, notes: l
 
 
 def _evaluate_infer(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, usable: int) -> Candidate | None:
-    p = peak(spec, gpu, w.model_copy(update={"micro_batch": mb, "grad_accum": m}))
+    w = w.model_copy(update={"micro_batch": mb, "grad_accum": m})
+    p = peak(spec, gpu, w)
     if p.device_used > usable:
         return None
-    thr = throughput(spec, gpu, w, p.saved_activations, p.state_bytes, p.params_per_gpu, True, mb, m)
+    thr = inference_throughput(spec, gpu, w, p.saved_activations, p.state_bytes)
     return Candidate(w, mb, m, p.device_used, usable - p.device_used, thr.samples_per_s, thr.tokens_per_s, thr.mfu,
                      thr.terms)
 
@@ -262,7 +263,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
     """Every fitting candidate, and how many were evaluated (all of them: one table per layout)."""
     import numpy as np  # here, not at the top: `memplan estimate` and the API's estimate do without it
 
-    from memplan.estimator import table
+    from memplan.estimator.step import evaluate
     found: list[Candidate] = []
     n = 0
     usable = int(gpu.memory_bytes * (1 - common["headroom"]))
@@ -280,7 +281,7 @@ def _search(spec: ModelSpec, gpu: GPUProfile, task: str, seq: int, gb: int, gpus
                     if c is not None:
                         found.append(c)
             continue
-        t = table.evaluate(spec, gpu, bases, mbs, per_rank)
+        t = evaluate(spec, gpu, bases, mbs, per_rank)
         ms = np.asarray([per_rank // mb for mb in mbs])
         # the interleaved schedule needs the micro batches to be a multiple of the stages
         valid = np.asarray([w.vpp == 1 for w in bases])[:, None] | (ms % pp == 0)[None, :]

@@ -35,8 +35,8 @@ from typing import Iterable, Optional
 # kMinBlockSize, kSmallSize; round_size -> round_block; get_allocation_size -> round_segment.
 from memplan.estimator.rules import ALLOC_MIN_BLOCK as MIN_BLOCK_SIZE
 from memplan.estimator.rules import ALLOC_SMALL_SIZE as SMALL_SIZE
-from memplan.estimator.rules import round_block as round_size
-from memplan.estimator.rules import round_segment as allocation_size
+from memplan.estimator.allocation import round_block as round_size
+from memplan.estimator.allocation import round_segment as allocation_size
 
 __all__ = ["MIN_BLOCK_SIZE", "SMALL_SIZE", "AllocatorStats", "CachingAllocator", "allocation_size",
            "reserved_for", "round_size", "should_split", "simulate"]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from memplan.errors import UserError
-from memplan.estimator.step import MemoryBreakdown
+from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.estimator.rules import PRECISIONS
 from memplan.inputs.workload import Workload
 

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.verify.allocator import CachingAllocator
-from memplan.estimator.rules import round_block
+from memplan.estimator.allocation import round_block
 
 
 @dataclass

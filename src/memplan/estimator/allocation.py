@@ -1,0 +1,61 @@
+"""PyTorch's caching allocator as arithmetic: what a tensor charges to memory_allocated, and the
+segments a set of tensors reserves (c10/cuda/CUDACachingAllocator.cpp; constants in rules.py).
+
+One implementation for a number and for numpy arrays of byte counts: the search evaluates whole
+tables of candidates, a single estimate is a one-cell table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memplan.estimator.rules import (
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_BLOCK, ALLOC_MIN_LARGE_ALLOC, ALLOC_ROUND_LARGE, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE,
+)
+
+
+def as_int(x):
+    """Truncated to an integer: an int for a number, an int64 array for an array (as int() truncates)."""
+    return x.astype(np.int64) if isinstance(x, np.ndarray) else int(x)
+
+
+def round_block(nbytes):
+    """Bytes the allocator charges to memory_allocated for one tensor: its size rounded up to 512 B
+    (kMinBlockSize). A number gives an int, an array an int64 array; byte counts are never negative."""
+    n = as_int(nbytes)
+    return -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK
+
+
+def segments(nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Reserved bytes of tensors allocated fresh, over the last axis: `count` tensors of `nbytes` each.
+    Small ones (<= 1 MiB) pack into 2 MiB segments, 1-10 MiB ones into 20 MiB segments, larger ones
+    get a segment each, rounded to 2 MiB (kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge)."""
+    n = round_block(np.asarray(nbytes, dtype=np.float64))
+    count = np.asarray(count, dtype=np.int64)
+    small_m = (n > 0) & (n <= ALLOC_SMALL_SIZE)
+    mid_m = (n > ALLOC_SMALL_SIZE) & (n < ALLOC_MIN_LARGE_ALLOC)
+    large_m = n >= ALLOC_MIN_LARGE_ALLOC
+    small = np.where(small_m, n * count, 0).sum(axis=-1)
+    per_seg = ALLOC_LARGE_BUFFER // np.where(mid_m, n, 1)
+    mid = np.where(mid_m, -(-count // per_seg) * ALLOC_LARGE_BUFFER, 0).sum(axis=-1)
+    large = np.where(large_m, -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE * count, 0).sum(axis=-1)
+    return -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid + large
+
+
+def segments_of(tensors: list[tuple[float, int]]) -> int:
+    """`segments` of one list of (bytes, count) tensors."""
+    if not tensors:
+        return 0
+    nbytes, count = zip(*tensors)
+    return int(segments(np.array(nbytes, dtype=np.float64), np.array(count, dtype=np.int64)))
+
+
+def round_segment(nbytes: float) -> int:
+    """Bytes of the cudaMalloc'd segment a lone tensor of this size reserves when no cached block fits
+    (get_allocation_size)."""
+    n = round_block(nbytes)
+    if n <= ALLOC_SMALL_SIZE:
+        return ALLOC_SMALL_BUFFER
+    if n < ALLOC_MIN_LARGE_ALLOC:
+        return ALLOC_LARGE_BUFFER
+    return -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE

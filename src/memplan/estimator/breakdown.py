@@ -1,0 +1,86 @@
+"""What an estimate reports: the bytes per category at the peak moment and the three meters
+(docs/estimator.md): peak allocated (torch.cuda.max_memory_allocated), peak reserved
+(max_memory_reserved) and device used (nvidia-smi: reserved + the CUDA context)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.profiles import GPUProfile
+from memplan.inputs.workload import Workload
+
+BREAKDOWN_KEYS = ("weights", "autocast_cache", "gradients", "optimizer_states", "optimizer_temporaries",
+                  "comm_buffers", "gathered_params", "activations", "transient", "kv_cache", "workspace",
+                  "allocator_overhead", "cuda_context")
+
+
+class ModelInfo(BaseModel):
+    name: str
+    hf_id: str | None
+    model_type: str
+    head: str
+    params_total: int
+    params_trainable: int
+    params_by_category: dict[str, int]
+
+
+class MemoryBreakdown(BaseModel):
+    """Bytes per category at the peak moment, and the three meters of DESIGN.md."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: ModelInfo
+    gpu: str
+    workload: Workload
+    breakdown: dict[str, int]
+    peak_phase: str
+    phases: dict[str, int]  # peak allocated bytes of each moment of the step
+    activations_per_layer: dict[str, int]  # saved bytes per layer by term (one micro batch)
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_used_bytes: int
+    capacity_bytes: int
+    usable_bytes: int  # capacity minus the headroom
+    headroom_bytes: int  # usable - device used (negative: does not fit)
+    fits: bool
+    notes: list[str]
+    # Per GPU: every byte above is one GPU's (the worst pipeline stage's). Host RAM that offload pins,
+    # for all the GPUs of one node (docs/parallel.md).
+    cpu_ram_per_node_bytes: int = 0
+    params_per_gpu: int = 0  # parameters one GPU holds before ZeRO partitioning (after TP / PP)
+
+
+class Peak(NamedTuple):
+    """The estimate before it is named as a report."""
+
+    parts: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    notes: list[str]
+    per_layer: dict[str, int]
+    allocated: int
+    reserved: int
+    device_used: int
+    cpu_per_gpu: int
+    params_per_gpu: int
+    saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
+    state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
+
+
+def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
+    usable = int(gpu.memory_bytes * (1 - w.headroom))
+    info = ModelInfo(name=spec.name, hf_id=spec.hf_id, model_type=spec.model_type, head=spec.head,
+                     params_total=spec.params_total, params_trainable=spec.params_trainable,
+                     params_by_category=spec.params_by_category())
+    breakdown = {k: int(p.parts.get(k, 0)) for k in BREAKDOWN_KEYS}
+    return MemoryBreakdown(
+        model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=p.peak_phase,
+        phases={k: int(v) for k, v in p.phases.items()}, activations_per_layer=p.per_layer,
+        peak_allocated_bytes=p.allocated, peak_reserved_bytes=p.reserved, device_used_bytes=p.device_used,
+        capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - p.device_used,
+        fits=p.device_used <= usable, notes=p.notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
+        params_per_gpu=p.params_per_gpu,
+    )

@@ -1,0 +1,68 @@
+"""Serving: the weights (quantised or not), autocast's copies, the KV cache and one layer's working set
+under no_grad, at prefill and while decoding (docs/estimator.md)."""
+
+from __future__ import annotations
+
+from memplan.errors import UserError
+from memplan.estimator.activations import inference_working_set
+from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.breakdown import Peak
+from memplan.estimator.parallel import tied_head
+from memplan.estimator.rules import WEIGHT_FORMATS, WeightFormat
+from memplan.estimator.states import autocast_copies, rounded
+from memplan.estimator.meters import gpu_workspace, meters
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.profiles import GPUProfile
+from memplan.inputs.workload import Workload
+
+
+def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:
+    """2 (k and v) * layers * sequences * length * kv_heads * head_dim * bytes; sliding-window layers
+    keep at most the window (transformers' DynamicSlidingWindowLayer)."""
+    per_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    layers = spec.num_decoder_layers if spec.arch == "encoder-decoder" else spec.num_layers
+    window = spec.sliding_window
+    if window and length > window:
+        # gemma2 alternates sliding and global layers; mistral v0.1 slides on every layer
+        sliding = layers // 2 if spec.model_type == "gemma2" else layers
+        return per_token * sequences * (sliding * window + (layers - sliding) * length)
+    return per_token * sequences * layers * length
+
+
+def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
+    """bitsandbytes quantises the linear layers' matrices; embeddings, norms and the head stay half."""
+    quantisable = g.category in ("attention", "mlp", "experts", "router") and len(g.shape) >= 2
+    return fmt.linear if quantisable else fmt.other
+
+
+def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
+    fmt = WEIGHT_FORMATS[w.precision]
+    p = 4 if fmt.compute == "fp32" else 2
+    notes: list[str] = []
+    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g))
+    autocast = w.precision in ("fp16", "bf16")
+    tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
+    cache = autocast_copies(list(spec.params), tied)[0] if autocast else 0
+    seqs = w.micro_batch * w.beams
+    generate = w.max_new_tokens > 0
+    if generate and spec.arch in ("encoder", "vision"):
+        raise UserError(f"{spec.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder")
+    kv = kv_cache_bytes(spec, seqs, w.seq_len + w.max_new_tokens, p) if generate else 0
+    kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, p) if generate else 0
+    work_ts = inference_working_set(spec, seqs, w.seq_len, p, w.attn, full_logits=not generate)
+    work = sum(round_block(t.nbytes) * t.count for t in work_ts)
+    kv_grow = 0
+    if generate:  # DynamicCache grows by torch.cat: one layer's old and new k, v live together
+        kv_grow = kv // max(spec.num_layers, 1)
+        notes.append(f"KV cache for {seqs} sequences x {w.seq_len + w.max_new_tokens} tokens")
+    phases = {"prefill": weights + cache + kv_prompt + work, "decode": weights + cache + kv + kv_grow}
+    peak_phase = max(phases, key=lambda k: phases[k])
+    parts = {"weights": weights, "autocast_cache": cache, "kv_cache": kv_prompt if peak_phase == "prefill" else kv,
+             "transient": work if peak_phase == "prefill" else kv_grow}
+    persistent = segments_of([(g.numel * weight_bytes(fmt, g), g.count) for g in spec.params])
+    act_segments = segments_of([(t.nbytes, t.count) for t in work_ts] if peak_phase == "prefill" else [])
+    allocated, reserved, used = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
+    parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
+              "cuda_context": gpu.cuda_context_bytes}
+    return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total,
+                parts["transient"], parts["weights"] + parts["kv_cache"])
