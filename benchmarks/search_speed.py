@@ -7,9 +7,9 @@
 2. Candidates evaluated per second inside one process: a candidate is one full setting of every knob
    (layout, ZeRO, offload, SP, interleaving, precision, optimizer, checkpointing, attention, micro
    batch) whose per-GPU memory was estimated and, if it fits, whose step time was modelled. Cold:
-   the first search of a process (the estimator's per-model caches empty), timed after the imports
-   (memplan.estimator.table's numpy takes ~0.08 s to import; the CLI times in 1. include it); warm: the same
-   search again. Every candidate is evaluated (memplan.estimator.table): none is pruned.
+   the first search of a process (the estimator's caches empty), timed after the imports (numpy takes
+   ~0.08 s to import; the CLI times in 1. include it); warm: the same search again. Every candidate is
+   evaluated (memplan.estimator.step.evaluate, a table per layout): none is pruned.
 3. Llama 3.1 405B on 1024 H100s (128 nodes of 8), seq 8192, global batch 2048.
 """
 
@@ -40,14 +40,13 @@ SEARCHES = {
 SEARCH_CHILD = """
 import json, sys, time
 import memplan
-from memplan.search import suggestion as search  # imported before the clock starts: the search itself is timed
-from memplan.estimator import table
+import memplan.estimator.step  # numpy and the step, imported before the clock starts: the search itself is timed
 model, gpu, gpus, nodes, seq, batch = json.loads(sys.argv[1])
 spec, prof = memplan.resolve_model(model), memplan.load_gpu(gpu)
 out = []
 for _ in range(2):  # cold, then warm
     t0 = time.perf_counter()
-    s = search.suggest(spec, prof, seq_len=seq, global_batch=batch, gpus=gpus, nodes=nodes)
+    s = memplan.suggest(spec, prof, seq_len=seq, global_batch=batch, gpus=gpus, nodes=nodes)
     dt = time.perf_counter() - t0
     best = s.plans[0]
     out.append({"seconds": dt, "candidates": s.candidates,
