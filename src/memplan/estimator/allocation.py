@@ -26,28 +26,34 @@ def round_block(nbytes):
     return -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK
 
 
-def segments(nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Reserved bytes of tensors allocated fresh, over the last axis: `count` tensors of `nbytes` each.
-    Small ones (<= 1 MiB) pack into 2 MiB segments, 1-10 MiB ones into 20 MiB segments, larger ones
-    get a segment each, rounded to 2 MiB (kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge)."""
-    n = round_block(np.asarray(nbytes, dtype=np.float64))
-    count = np.asarray(count, dtype=np.int64)
+def _pools(n, count):
+    """(small, mid, large) reserved bytes of `count` tensors of `n` rounded bytes each, before the small
+    pool's bytes are packed: small ones (<= 1 MiB) share 2 MiB segments, 1-10 MiB ones take 20 MiB
+    segments (as many as they fill), larger ones a segment each rounded to 2 MiB (kSmallBuffer,
+    kLargeBuffer, kMinLargeAlloc, kRoundLarge). Numbers or arrays: only arithmetic, no branches."""
     small_m = (n > 0) & (n <= ALLOC_SMALL_SIZE)
     mid_m = (n > ALLOC_SMALL_SIZE) & (n < ALLOC_MIN_LARGE_ALLOC)
     large_m = n >= ALLOC_MIN_LARGE_ALLOC
-    small = np.where(small_m, n * count, 0).sum(axis=-1)
-    per_seg = ALLOC_LARGE_BUFFER // np.where(mid_m, n, 1)
-    mid = np.where(mid_m, -(-count // per_seg) * ALLOC_LARGE_BUFFER, 0).sum(axis=-1)
-    large = np.where(large_m, -(-n // ALLOC_ROUND_LARGE) * ALLOC_ROUND_LARGE * count, 0).sum(axis=-1)
+    per_seg = ALLOC_LARGE_BUFFER // (n * mid_m + (1 - mid_m))  # 1 where not a mid-size tensor
+    return (small_m * n * count, mid_m * (-(-count // per_seg)) * ALLOC_LARGE_BUFFER,
+            large_m * (-(-n // ALLOC_ROUND_LARGE)) * ALLOC_ROUND_LARGE * count)
+
+
+def _packed(small, mid, large):
     return -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid + large
 
 
+def segments(nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Reserved bytes of tensors allocated fresh, over the last axis: `count` tensors of `nbytes` each."""
+    n = round_block(np.asarray(nbytes, dtype=np.float64))
+    return _packed(*(part.sum(axis=-1) for part in _pools(n, np.asarray(count, dtype=np.int64))))
+
+
 def segments_of(tensors: list[tuple[float, int]]) -> int:
-    """`segments` of one list of (bytes, count) tensors."""
-    if not tensors:
-        return 0
-    nbytes, count = zip(*tensors)
-    return int(segments(np.array(nbytes, dtype=np.float64), np.array(count, dtype=np.int64)))
+    """`segments` of one list of (bytes, count) tensors (the same pools, summed in Python: the lists are
+    short and built once per cached stage)."""
+    parts = [_pools(round_block(nbytes), int(count)) for nbytes, count in tensors]
+    return int(_packed(*(sum(p[i] for p in parts) for i in range(3))))
 
 
 def round_segment(nbytes: float) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
@@ -138,6 +140,12 @@ def stage_states(k: StatesKey) -> StageStates:
     return StageStates(weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
                        c_all, c_head, c_mlp, _head_grads(groups, tied, prec.grad), segments_of(persistent),
                        numel(list(groups)), *stage_layers(spec, k.pp, k.stage))
+
+
+@lru_cache(maxsize=CACHE_SIZE)
+def states_row(k: StatesKey) -> np.ndarray:
+    """`stage_states` as an int64 row (StageStates' field order), for the step's tables."""
+    return np.array(stage_states(k), dtype=np.int64)
 
 
 def _sharded(k: StatesKey, groups: tuple[ParamGroup, ...]):

@@ -29,7 +29,7 @@ from memplan.estimator.meters import gpu_workspace, meters
 from memplan.estimator.rules import (
     FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM, MEMPLAN_ATTN_FAMILIES, OPTIMIZERS, PRECISIONS, TILED_MLP_FAMILIES,
 )
-from memplan.estimator.states import StageStates, StatesKey, half_model, stage_states, tied_grad_sum, train_precision
+from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum, train_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
@@ -146,7 +146,7 @@ def in_flight(bases: list[Workload], stage: int, ms: np.ndarray) -> np.ndarray:
 def _states(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarray):
     """(B, K) array of each StageStates field, by name: with the accumulation variant where m > 1."""
     keys = [StatesKey.of(spec, w, stage) for w in bases]
-    numeric = np.array([(stage_states(k), stage_states(k.accumulated())) for k in keys], dtype=np.int64)  # (B, 2, F)
+    numeric = np.stack([(states_row(k), states_row(k.accumulated())) for k in keys])  # (B, 2, F)
     cells = np.where((ms > 1)[None, :, None], numeric[:, None, 1, :], numeric[:, None, 0, :])  # (B, K, F)
     return {name: cells[:, :, i] for i, name in enumerate(StageStates._fields)}
 
@@ -170,9 +170,9 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     n_enc, n_dec = int(st["n_enc"][0, 0]), int(st["n_dec"][0, 0])
     n_layers = n_enc + n_dec
     flight = in_flight(bases, stage, ms)
-    full, selective, tiled, zeros = (_col([f(w) for w in bases]).astype(bool) for f in (
-        lambda w: w.grad_ckpt == "full", lambda w: w.grad_ckpt == "selective", lambda w: w.tiled_mlp,
-        lambda w: w.zero_grad == "zeros"))
+    flags = np.array([(w.grad_ckpt == "full", w.grad_ckpt == "selective", w.tiled_mlp, w.zero_grad == "zeros")
+                      for w in bases])  # (B, 4)
+    full, selective, tiled, zeros = (flags[:, i:i + 1] for i in range(4))
     layer, dec = sa["layer"], sa["decoder_layer"]
     acts_full = flight * (n_layers * sa["layer_input"] + sa["embed"]) + sa["head_saved"]
     acts_rest = flight * (n_enc * layer + n_dec * dec + sa["embed"]) + sa["head_saved"]
@@ -319,28 +319,32 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     validation of `w` against the model or the hardware: `estimate` does that)."""
     if w.task == "infer":
         return inference_peak(spec, gpu, w)
-    t = evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum)
-    last = bool(t.pick_last[0, 0])
-    c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[0, 0])
-    parts = {k: int(v[0, 0]) for k, v in breakdown(c, t.moment).items()}
-    allocated, reserved = int(t.allocated[0, 0]), int(t.reserved[0, 0])
+    return cell_peak(spec, gpu, evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum), w, 0, 0)
+
+
+def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int) -> Peak:
+    """The report of cell (b, k) of a table, whose workload (with its micro batch and accumulation) is w."""
+    last = bool(t.pick_last[b, k])
+    c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[b, k])
+    parts = {name: int(v[b, k]) for name, v in breakdown(c, t.moment).items()}
+    allocated, reserved = int(t.allocated[b, k]), int(t.reserved[b, k])
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
-    phases = {name: int(c.phases[j, 0, 0]) for j, name in enumerate(PHASES) if c.phases[j, 0, 0] >= 0}
-    return Peak(parts, phases, PHASES[i], _notes(w, stage, c), _per_layer_terms(spec, w), allocated, reserved,
-                int(t.device_used[0, 0]), int(t.cpu_per_gpu[0, 0]), int(t.params_per_gpu[0, 0]),
-                int(t.saved[0, 0]), int(t.state[0, 0]))
+    phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
+    return Peak(parts, phases, PHASES[i], _notes(w, stage, float(c.flight[b, k]), c.n_layers),
+                _per_layer_terms(spec, w), allocated, reserved, int(t.device_used[b, k]), int(t.cpu_per_gpu[b, k]),
+                int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]))
 
 
-def _notes(w: Workload, stage: int, c: StageCells) -> list[str]:
+def _notes(w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
     notes: list[str] = []
     if OPTIMIZERS[w.optim].paged:
         notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
     if w.grad_accum > 1 and not half_model(w):
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
     if w.pp > 1:
-        notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({c.n_layers} layers, "
-                     f"{float(c.flight[0, 0]):g} micro batches in flight)")
+        notes.append(f"pipeline stage {stage} of {w.pp} is the worst ({n_layers} layers, "
+                     f"{flight:g} micro batches in flight)")
     return notes
 
 

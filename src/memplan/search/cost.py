@@ -148,7 +148,12 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     # the matmuls of one TP rank are 1/tp as wide: the shape efficiency sees hidden / tp
     eff = efficiency(tokens, spec.hidden_size / w0.tp)
     bw = gpu.memory_bandwidth_gbs * 1e9
-    hw_f = _col([flops_per_token(spec, seq, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)[1] for w in bases])
+    flops: dict[tuple, float] = {}  # one row per workload, few distinct settings
+    for w in bases:
+        key = (w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
+        if key not in flops:
+            flops[key] = flops_per_token(spec, seq, *key)[1]
+    hw_f = _col([flops[(w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)] for w in bases])
     compute_micro = hw_f * tokens / (w0.tp * w0.pp) / (peak * 1e12 * eff)
     micro = compute_micro + ACTIVATION_TRAFFIC * saved / bw
     vpp = _col([w.vpp for w in bases])
