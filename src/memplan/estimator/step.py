@@ -15,15 +15,17 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.estimator.activations import ActivationModel, Tensors, inference_working_set, training_activations
+from memplan.estimator.activations import (
+    ActivationModel, TensorKind, Tensors, inference_working_set, training_activations,
+)
+from memplan.estimator.families import family, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
 from memplan.errors import UserError
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.inputs.profiles import GPUProfile
 from memplan.estimator.rules import (
-    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM,
-    MEMPLAN_ATTN_FAMILIES, OPTIMIZERS, PRECISIONS, TILED_MLP_FAMILIES, WEIGHT_FORMATS, optimizer_state_bytes,
-    round_block, round_segment,
+    ALLOC_LARGE_BUFFER, ALLOC_MIN_LARGE_ALLOC, ALLOC_SMALL_BUFFER, ALLOC_SMALL_SIZE, OPTIMIZERS, PRECISIONS,
+    WEIGHT_FORMATS, optimizer_state_bytes, round_block, round_segment,
 )
 from memplan.inputs.workload import Workload
 
@@ -103,17 +105,6 @@ def _rounded_tensors(ts: list[Tensors]) -> int:
     return sum(round_block(t.nbytes) * t.count for t in ts)
 
 
-# Attention implementations transformers offers per model_type (`_supports_sdpa` / `_supports_flash_attn`
-# in transformers 5 modelling files); eager exists everywhere.
-ATTN_UNSUPPORTED = {"t5": ("flash",), "gemma2": ("sdpa",)}
-
-
-def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
-    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
-    out = tuple(a for a in ("flash", "sdpa", "eager") if a not in ATTN_UNSUPPORTED.get(spec.model_type, ()))
-    return out + (("memplan",) if spec.model_type in MEMPLAN_ATTN_FAMILIES else ())
-
-
 def check_support(spec: ModelSpec, w: Workload) -> None:
     if w.attn not in supported_attn(spec):
         raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
@@ -128,21 +119,13 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
         raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
     if w.tiled_mlp and not tiled_mlp_supported(spec):
         raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
-                        f"{', '.join(TILED_MLP_FAMILIES)}; "
+                        f"{', '.join(model_types(lambda f: f.tiled_mlp))}; "
                         f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
     if w.kernels and not fused_loss_supported(spec):
-        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))} "
-                        f"and the masked LMs of {', '.join(sorted(FUSED_LOSS_MASKED_LM))}; "
+        raise UserError(f"--kernels: the fused loss patches the causal LMs of "
+                        f"{', '.join(model_types(lambda f: f.fused_loss_causal_base))} "
+                        f"and the masked LMs of {', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; "
                         f"not {spec.model_type} ({spec.head})")
-
-
-def tiled_mlp_supported(spec: ModelSpec) -> bool:
-    return spec.model_type in TILED_MLP_FAMILIES and not spec.is_moe and spec.arch != "encoder-decoder"
-
-
-def fused_loss_supported(spec: ModelSpec) -> bool:
-    return ((spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES)
-            or (spec.head == "masked-lm" and spec.model_type in FUSED_LOSS_MASKED_LM))
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:
@@ -403,11 +386,10 @@ def _make_stage_states(spec: ModelSpec, w: Workload, stage: int, accumulating: b
     trainable = tuple(g for g in groups if g.trainable)
     comm = gathered = cpu = temp = 0
     if w.fsdp != "none":
-        z = fsdp_states(groups, spec, strategy=w.fsdp, dp=w.dp, gpus=w.gpus, half=prec.half is not None,
-                        moments=rule.states * 4)
+        z = fsdp_states(groups, spec, strategy=w.fsdp, dp=w.dp, gpus=w.gpus, prec=prec, optim=rule)
     elif ds:
-        z = zero_states(groups, spec, zero=w.zero, dp=w.dp, offload=w.offload, half=prec.half is not None,
-                        moments=rule.states * 4, accumulating=accumulating)
+        z = zero_states(groups, spec, zero=w.zero, dp=w.dp, offload=w.offload, prec=prec, optim=rule,
+                        accumulating=accumulating)
     if ds:
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
@@ -466,7 +448,7 @@ ACT_SUMS = StageActs._fields[1:]  # the activation lists summed per micro batch 
 
 def is_log_softmax(t: Tensors) -> bool:
     """The loss's saved log_softmax output: part of head_saved, freed during the last layer's backward."""
-    return t.name.startswith("log_softmax")
+    return t.kind is TensorKind.LOG_SOFTMAX
 
 
 def act_list(am: ActivationModel, name: str) -> list[Tensors]:
@@ -599,7 +581,7 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) 
     window = spec.sliding_window
     if window and length > window:
         # gemma2 alternates sliding and global layers; mistral v0.1 slides on every layer
-        sliding = layers // 2 if spec.model_type == "gemma2" else layers
+        sliding = layers // family(spec.model_type).sliding_every
         return per_token * sequences * (sliding * window + (layers - sliding) * length)
     return per_token * sequences * layers * length
 
