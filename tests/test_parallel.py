@@ -9,13 +9,15 @@ from memplan.estimator.activations import training_activations, total
 from memplan.errors import UserError
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.estimator.parallel import stage_params, zero_states
-from memplan.estimator.rules import PRECISIONS
+from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 
 GB = 1e9
 
 
 def _states(ts, spec, zero, n, offload="none"):
-    return zero_states(ts, spec, zero=zero, dp=n, offload=offload, half=True, moments=8, accumulating=False)
+    """DeepSpeed bf16 with AdamW: the model in bf16, fp32 master and two fp32 moments (K = 12)."""
+    return zero_states(ts, spec, zero=zero, dp=n, offload=offload, prec=PRECISIONS["bf16-pure"],
+                       optim=OPTIMIZERS["adamw_torch_fused"], accumulating=False)
 
 
 # ZeRO paper (Rajbhandari et al. 2020), Table 1: Psi = 7.5B, K = 12, per-GPU model-state GB for

@@ -4,10 +4,11 @@ import pytest
 
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.estimator.rules import (
-    BNB_BLOCK, OPTIMIZERS, PRECISIONS, WEIGHT_FORMATS, optimizer_state_bytes,
+    BNB_BLOCK, OPTIMIZERS, PRECISIONS, optimizer_state_bytes,
 )
-from memplan.estimator.allocation import round_block, round_segment
 from memplan.estimator import step as estimator
+from memplan.estimator.allocation import round_block, round_segment
+from memplan.estimator.inference import kv_cache_bytes
 from memplan.inputs.workload import Workload
 
 MiB = 1 << 20
@@ -15,13 +16,6 @@ MiB = 1 << 20
 
 def state(optim, shape, param_bytes=4, momentum=False):
     return optimizer_state_bytes(OPTIMIZERS[optim], shape, param_bytes, momentum)
-
-
-def test_precision_bytes_per_param():
-    assert (PRECISIONS["fp32"].param, PRECISIONS["fp32"].grad) == (4, 4)
-    # autocast keeps fp32 weights and grads; the half copy is the autocast cache
-    assert (PRECISIONS["fp16"].param, PRECISIONS["fp16"].grad, PRECISIONS["fp16"].autocast) == (4, 4, True)
-    assert (PRECISIONS["bf16-pure"].param, PRECISIONS["bf16-pure"].grad) == (2, 2)
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
@@ -54,17 +48,6 @@ def test_adafactor_factored_rows_plus_cols():
     assert state("adafactor", (1024, 4096)) == (1024 + 4096) * 4
     assert state("adafactor", (4096,)) == 4096 * 4  # vectors are not factored
     assert state("adafactor", (8, 16, 32)) == (8 * 16 + 8 * 32) * 4
-
-
-def test_lion_one_state():
-    assert state("lion_32bit", (100, 100)) == 4 * 100 * 100
-
-
-def test_inference_weight_formats():
-    assert WEIGHT_FORMATS["fp16"].linear + 2 == 6  # HF docs: mixed-precision inference 6 B/param
-    assert WEIGHT_FORMATS["bf16-pure"].linear == 2
-    assert WEIGHT_FORMATS["int8"].linear == 1
-    assert WEIGHT_FORMATS["int4"].linear == pytest.approx(0.5625)
 
 
 def test_allocator_rounding():
@@ -110,5 +93,55 @@ def test_foreach_adamw_temporaries(v100):
 def test_kv_cache_formula():
     spec = _tiny_spec(num_kv_heads=2)
     # 2 * layers * seqs * len * kv_heads * head_dim * bytes
-    from memplan.estimator.inference import kv_cache_bytes
     assert kv_cache_bytes(spec, 3, 100, 2) == 2 * 2 * 3 * 100 * 2 * 16 * 2
+
+
+def test_sliding_window_layers_follow_the_family():
+    """Past the window, a family whose every layer slides (mistral v0.1) keeps the window per layer; one that
+    alternates sliding and full layers (gemma2) keeps the whole length on half of them."""
+    spec = _tiny_spec(model_type="mistral", num_layers=4, sliding_window=10)
+    per_token_layer = 2 * 4 * 16 * 2  # k and v, kv heads, head dim, bytes
+    assert kv_cache_bytes(spec, 1, 100, 2) == per_token_layer * 4 * 10
+    gemma2 = spec.model_copy(update={"model_type": "gemma2"})
+    assert kv_cache_bytes(gemma2, 1, 100, 2) == per_token_layer * (2 * 10 + 2 * 100)
+    assert kv_cache_bytes(gemma2, 1, 10, 2) == per_token_layer * 4 * 10  # within the window
+
+
+def test_unknown_family_gets_the_defaults():
+    """A model_type without a row (a hand-built spec) is a plain transformers model: every attention
+    implementation but memplan's, no kernels, and the same activations as a family with default facts."""
+    from memplan.estimator.families import Family, family, fused_loss_supported, supported_attn, tiled_mlp_supported
+
+    spec = _tiny_spec(model_type="no_such_family")
+    assert family("no_such_family") == Family()
+    assert supported_attn(spec) == ("flash", "sdpa", "eager")
+    assert not fused_loss_supported(spec) and not tiled_mlp_supported(spec)
+    assert "memplan" in supported_attn(_tiny_spec()) and fused_loss_supported(_tiny_spec())
+
+
+def _list_sums(am) -> dict[str, float]:
+    """The bytes of each list the step sums (estimator/acts.py), the log_softmax output among them."""
+    from memplan.estimator.acts import LISTS, tensor_lists
+
+    ts, member = tensor_lists(am)
+    return {name: sum(t.total for t, row in zip(ts, member) if row[i]) for i, name in enumerate(LISTS)}
+
+
+def test_labels_do_not_change_an_estimate():
+    """Tensors carry a kind (the attention core, the loss's log_softmax output); their names are labels:
+    renaming every tensor leaves every sum the estimator takes unchanged."""
+    import dataclasses
+
+    from memplan.estimator.activations import is_core, training_activations
+
+    spec = _tiny_spec(attention_dropout=0.1)
+    for selective in (False, True):
+        am = training_activations(spec, 2, 16, PRECISIONS["bf16"], "eager", selective=selective)
+        renamed = dataclasses.replace(am, **{
+            f.name: [dataclasses.replace(t, name=f"tensor {i}") for i, t in enumerate(getattr(am, f.name))]
+            for f in dataclasses.fields(am)})
+        sums = {name: (a, b) for (name, a), b in zip(_list_sums(am).items(), _list_sums(renamed).values())}
+        assert all(a == b for a, b in sums.values()), sums
+        assert sums["lsm"][0] > 0 and (sums["layer_core"][0] > 0) == selective
+        assert [is_core(t) for t in am.layer] == [is_core(t) for t in renamed.layer]
+        assert any(is_core(t) for t in am.layer) != selective  # selective drops the core from the layer

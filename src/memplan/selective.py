@@ -51,12 +51,10 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-# model_types whose attention modules call the core through ALL_ATTENTION_FUNCTIONS (transformers 5.x),
-# checked by counting calls of the wrapped core and comparing loss and gradients with the unpatched model.
-SELECTIVE_FAMILIES: frozenset[str] = frozenset({
-    "bert", "roberta", "distilbert", "gpt2", "opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2",
-    "gemma", "gemma2", "phi3", "t5", "vit",
-})
+from memplan.estimator.families import family, model_types
+
+# model_types whose attention modules call the core through ALL_ATTENTION_FUNCTIONS (families.Family.selective)
+SELECTIVE_FAMILIES: frozenset[str] = frozenset(model_types(lambda f: f.selective))
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa")
 PREFIX = "selective_"
@@ -235,7 +233,7 @@ def enable_selective(model: torch.nn.Module) -> None:
     than eager and sdpa. Idempotent; undo with `disable_selective`."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in SELECTIVE_FAMILIES:
+    if not family(model_type).selective:
         raise ValueError(f"selective recomputation does not support model_type {model_type!r}; "
                          f"supported: {', '.join(sorted(SELECTIVE_FAMILIES))}")
     if is_selective(model):

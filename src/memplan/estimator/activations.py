@@ -15,29 +15,22 @@ RMSNorm's fp32 copies, gated MLPs, GQA expansion in eager attention, MoE routing
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
+from memplan.estimator.families import GATED_ACT_KERNEL, family
 from memplan.inputs.modelspec import ModelSpec
-from memplan.estimator.rules import Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk
+from memplan.estimator.rules import (
+    FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
+)
 
-# Families whose eager attention runs softmax in fp32 and casts back (softmax(..., dtype=float32).to(q.dtype)).
-SOFTMAX_FP32 = {"opt", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "vit", "t5"}
-# Linear layers reading the attention input / MLP input (each makes its own cast copy under autocast).
-QKV_LINEARS = {"gpt2": 1, "gpt_neox": 1, "phi3": 1}  # fused qkv; others have q, k, v projections (3)
-UP_LINEARS_GATED = {"phi3": 1}  # phi3 fuses gate_up_proj; other gated MLPs have gate and up (2)
-NORMS_PER_LAYER = {"gemma2": 4}  # gemma2 has pre- and post- norms around attention and MLP
-MLP_INNER_DROPOUT = {"t5"}  # T5 DenseReluDense has dropout between wi and wo
-PARALLEL_RESIDUAL = {"gpt_neox"}  # attention and MLP read the same input (use_parallel_residual)
-# Masked LMs whose forward calls CrossEntropyLoss on the logits without an fp32 up-cast (transformers 5.23
-# modeling_bert / modeling_roberta / modeling_deberta_v2); ForMaskedLMLoss (ModernBERT) up-casts.
-MLM_RAW_LOGITS_LOSS = {"bert", "roberta", "deberta-v2", "deberta_v2"}
-# Norms inside the region memplan.kernels' tiled MLP recomputes: BERT's feed_forward_chunk ends with
-# BertOutput's LayerNorm (the residual add and norm after the second dense).
-TILED_MLP_NORMS = {"bert": 1}
-# Activations of gated MLPs that memplan.kernels.apply runs through gated_act (kernels/patch.py GATED_ACTS)
-GATED_ACT_KERNEL = {"silu", "swish", "gelu_pytorch_tanh"}
-# The query is a view of the fused QKV output (no rotary embedding makes a new tensor): GPT-2.
-QUERY_VIEWS_FUSED_QKV = {"gpt2"}
+
+class TensorKind(Enum):
+    """What the step does with a tensor beyond holding it: the label (`Tensors.name`) is for people only."""
+
+    OTHER = "other"
+    CORE = "core"  # the attention core (QK^T, softmax, dropout, PV): selective recomputation rebuilds it
+    LOG_SOFTMAX = "log_softmax"  # the loss's saved log_softmax output, freed during the last layer's backward
 
 
 @dataclass(frozen=True)
@@ -48,6 +41,7 @@ class Tensors:
     # Replicated under tensor parallelism (the residual stream side: norms, linear inputs, hidden
     # dropout masks); sequence parallelism shards these too (Korthikanti et al. 2022, section 4.2.2).
     rep: bool = False
+    kind: TensorKind = TensorKind.OTHER
 
     @property
     def total(self) -> float:
@@ -80,23 +74,23 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     saves the normalised tensor in the input dtype."""
     h, r = spec.hidden_size, prec.residual
     if spec.norm == "layernorm":
-        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", 4 * T, 2, rep=True)]
-    return [Tensors("rmsnorm fp32 input", 4 * h * T, rep=True), Tensors("rmsnorm normalised", r * h * T, rep=True),
-            Tensors("rmsnorm rstd", 4 * T, rep=True)]
+        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
+    return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True), Tensors("rmsnorm normalised", r * h * T, rep=True),
+            Tensors("rmsnorm rstd", FP32 * T, rep=True)]
 
 
 def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
     """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
     the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
     if prec.autocast:
-        return [Tensors(f"{name} (half cast)", 2 * width * T, n_linears, rep=True)]
+        return [Tensors(f"{name} (half cast)", HALF * width * T, n_linears, rep=True)]
     return [Tensors(name, prec.residual * width * T, rep=True)]
 
 
 def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
                selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
     """Saved by one attention block after its input projection: q, k, v, the core, the output input.
-    Tensors named "core: ..." belong to the attention core (QK^T, softmax, dropout, PV), which selective
+    Tensors of kind CORE belong to the attention core (QK^T, softmax, dropout, PV), which selective
     recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
     q, k, v (k, v at kv heads) and its output stay."""
     a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
@@ -105,12 +99,12 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     if attn == "eager" and a != k:
         # repeat_kv materialises k and v at `a` heads and the matmuls save those copies; the k, v at kv
         # heads are saved only as the checkpointed core's inputs under selective recomputation.
-        out.append(Tensors("core: k, v expanded to all heads", p * a * d * Tkv, 2))
+        out.append(Tensors("core: k, v expanded to all heads", p * a * d * Tkv, 2, kind=TensorKind.CORE))
         if selective:
             out.append(Tensors("k, v", p * k * d * Tkv, 2))
     else:
         out.append(Tensors("k, v", p * k * d * Tkv, 2))
-        if kv_cache and attn != "eager" and not selective and spec.model_type in QUERY_VIEWS_FUSED_QKV:
+        if kv_cache and attn != "eager" and not selective and family(spec.model_type).query_views_fused_qkv:
             # Decoders build a DynamicCache in training too (use_cache defaults to True; only gradient
             # checkpointing turns it off), and attention gets the cache's torch.cat copies of k and v.
             # The SDPA / flash kernel saves the query, a view that keeps the whole fused QKV output
@@ -118,33 +112,44 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             out.append(Tensors("k, v before the cache copy (fused QKV)", p * k * d * Tkv, 2))
     if attn == "eager":
         scores = b * a * s_q * s_kv
-        upcast = spec.model_type in SOFTMAX_FP32
-        sm = 4 if (prec.autocast or upcast or p == 4) else p
-        out.append(Tensors("core: softmax output", sm * scores))
+        sm = _softmax_bytes(spec, prec)
+        out.append(Tensors("core: softmax output", sm * scores, kind=TensorKind.CORE))
         dropout = spec.attention_dropout > 0
         if dropout:
-            out.append(Tensors("core: attention dropout mask", 1 * scores))
+            out.append(Tensors("core: attention dropout mask", MASK * scores, kind=TensorKind.CORE))
         if dropout or sm != p:
             # the PV matmul saves its own input: the dropout output or the cast back to p
-            out.append(Tensors("core: attention probs (matmul input)", p * scores))
+            out.append(Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE))
     else:
         # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
         # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
         # The kernel's saved output is laid out (b, s, heads, d), so transpose(1, 2).contiguous() is a
         # view and the o_proj input below is the same storage: counted once, as the context (traced).
-        out += [Tensors("core: logsumexp", 4 * b * a * s_q)]
+        out += [Tensors("core: logsumexp", FP32 * b * a * s_q, kind=TensorKind.CORE)]
         if spec.position == "relative" and prec.autocast:
             # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
             # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
-            out.append(Tensors("position bias (half cast)", 2 * a * s_q * s_kv))
+            out.append(Tensors("position bias (half cast)", HALF * a * s_q * s_kv))
     out.append(Tensors("context (o_proj input)", p * a * d * Tq))
     if spec.hidden_dropout > 0:
-        out.append(Tensors("output dropout mask", 1 * spec.hidden_size * Tq, rep=True))
+        out.append(Tensors("output dropout mask", MASK * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
 
 
+def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
+    """Width of eager attention's softmax output: fp32 under autocast (softmax is on its fp32 list), in an
+    fp32 model, and where the family's softmax up-casts; else the compute dtype."""
+    fp32 = prec.autocast or family(spec.model_type).softmax_fp32 or prec.act == FP32
+    return FP32 if fp32 else prec.act
+
+
 def is_core(t: Tensors) -> bool:
-    return t.name.startswith("core: ")
+    return t.kind is TensorKind.CORE
+
+
+def is_log_softmax(t: Tensors) -> bool:
+    """The loss's saved log_softmax output: part of head_saved, freed during the last layer's backward."""
+    return t.kind is TensorKind.LOG_SOFTMAX
 
 
 def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
@@ -158,15 +163,15 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
         out += saves + [Tensors("act output, up output", p * f * tokens, 2),
                 Tensors("gate*up (down input)", p * f * tokens)]
     else:
-        inner_dropout = spec.model_type in MLP_INNER_DROPOUT and spec.hidden_dropout > 0
+        inner_dropout = family(spec.model_type).mlp_inner_dropout and spec.hidden_dropout > 0
         if spec.activation == "relu" and not inner_dropout:
             saves = []  # relu saves its output, which is also the down projection's input (traced)
         out += saves
         if inner_dropout:
-            out.append(Tensors("mlp dropout mask", 1 * f * tokens))
+            out.append(Tensors("mlp dropout mask", MASK * f * tokens))
         out.append(Tensors("act output (down input)", p * f * tokens))
     if spec.hidden_dropout > 0:
-        out.append(Tensors("mlp dropout mask", 1 * h * tokens, rep=True))
+        out.append(Tensors("mlp dropout mask", MASK * h * tokens, rep=True))
     return out
 
 
@@ -176,8 +181,8 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     h, E, K, r = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual
     routed = K * T
     out = _linear_inputs(1, h, T, prec, "router input")
-    out.append(Tensors("router softmax", 4 * E * T, rep=True))
-    n_in = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
+    out.append(Tensors("router softmax", FP32 * E * T, rep=True))
+    n_in = family(spec.model_type).gated_up_linears if spec.mlp == "gated" else 1
     out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
     if not prec.autocast:
         out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
@@ -188,15 +193,14 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
            s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
-    h, T = spec.hidden_size, b * s
-    n_norms = NORMS_PER_LAYER.get(spec.model_type, 3 if decoder else 2)
+    h, T, fam = spec.hidden_size, b * s, family(spec.model_type)
+    n_norms = fam.norms_per_layer or (3 if decoder else 2)
     if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
-        n_norms -= TILED_MLP_NORMS.get(spec.model_type, 0)
+        n_norms -= fam.tiled_mlp_norms
     out: list[Tensors] = []
     for _ in range(n_norms):
         out += _norm(spec, T, prec)
-    n_qkv = QKV_LINEARS.get(spec.model_type, 3)
-    out += _linear_inputs(n_qkv, h, T, prec, "qkv input")
+    out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
     out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
@@ -214,8 +218,9 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
 
 def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     """The MLP's linear inputs and what it saves after them."""
-    n_up = UP_LINEARS_GATED.get(spec.model_type, 2) if spec.mlp == "gated" else 1
-    if spec.model_type in PARALLEL_RESIDUAL:
+    fam = family(spec.model_type)
+    n_up = fam.gated_up_linears if spec.mlp == "gated" else 1
+    if fam.parallel_residual:
         n_up = 1
     return _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input") + _mlp(spec, T, prec)
 
@@ -228,7 +233,7 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
     c = min(T, tiled_mlp_chunk(h))
     if spec.mlp == "gated" and spec.activation in GATED_ACT_KERNEL:
         # apply() runs act(gate) * up through memplan.kernels.gated_act, which saves gate and up only
-        n_up = UP_LINEARS_GATED.get(spec.model_type, 2)
+        n_up = family(spec.model_type).gated_up_linears
         chunk = _linear_inputs(n_up, h, c, prec, "mlp input") + [Tensors("gate, up (gated_act inputs)", p * f * c, 2),
                                                                   Tensors("gate*up (down input)", p * f * c)]
     else:
@@ -237,7 +242,7 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
     if T > c:
         mlp_params = (3 if spec.mlp == "gated" else 2) * h * f
         out += [Tensors("tiled mlp: input gradient", prec.residual * h * T, rep=True),
-                Tensors("tiled mlp: parameter-gradient sums (fp32)", 4 * mlp_params)]
+                Tensors("tiled mlp: parameter-gradient sums (fp32)", FP32 * mlp_params)]
     return out
 
 
@@ -253,7 +258,7 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
         mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
         scores = b * spec.num_heads * s * s
-        sm = 4 if (prec.autocast or spec.model_type in SOFTMAX_FP32 or p == 4) else p
+        sm = _softmax_bytes(spec, prec)
         att = [Tensors("attention grad buffers", sm * scores, 2)]
         return att if total(att) > total(mlp) else mlp
     return mlp
@@ -263,16 +268,18 @@ def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensor
     h, T, r = spec.hidden_size, b * s, prec.residual
     out: list[Tensors] = []
     if spec.arch == "vision":
-        out.append(Tensors("pixel values (patch conv input)", 4 * b * spec.num_channels * spec.image_size ** 2, rep=True))
-    if spec.arch in ("encoder", "vision") and spec.model_type != "vit":
+        pixels = b * spec.num_channels * spec.image_size ** 2
+        out.append(Tensors("pixel values (patch conv input)", FP32 * pixels, rep=True))
+    if spec.arch in ("encoder", "vision") and family(spec.model_type).embedding_norm:
         out += [Tensors("embedding norm input", r * h * T, rep=True),
-                Tensors("embedding norm mean/rstd", 4 * T, 2, rep=True)]
+                Tensors("embedding norm mean/rstd", FP32 * T, 2, rep=True)]
     if spec.hidden_dropout > 0:
-        out.append(Tensors("embedding dropout mask", 1 * h * T, rep=True))
+        out.append(Tensors("embedding dropout mask", MASK * h * T, rep=True))
     if spec.position == "relative":
         # T5's relative position bias, computed once per stack and shared by its layers (fp32,
         # 1 x heads x s x s): encoder self-attention, decoder self-attention, cross-attention
-        out.append(Tensors("position bias (shared)", 4 * spec.num_heads * s * s, 3 if spec.num_decoder_layers else 1))
+        stacks = 3 if spec.num_decoder_layers else 1
+        out.append(Tensors("position bias (shared)", FP32 * spec.num_heads * s * s, stacks))
     return out
 
 
@@ -280,10 +287,11 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
           fused: bool = False) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
     """(saved, loss forward transient, loss backward transient) of the head and its loss."""
     h, T, V, p = spec.hidden_size, b * s, spec.vocab_size, prec.act
+    mlm_raw = spec.head == "masked-lm" and family(spec.model_type).mlm_raw_logits_loss
     saved: list[Tensors] = []
     if spec.arch in ("decoder", "encoder-decoder", "vision"):
         saved += _norm(spec, T, prec)  # final norm
-    if spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS:
+    if mlm_raw:
         # the masked-LM head's transform before the decoder: dense, activation, LayerNorm
         saved += _linear_inputs(1, h, T, prec, "mlm transform input")
         saved += [Tensors("mlm transform act input / saved pieces", w * h * T)
@@ -297,12 +305,11 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
         # BERT-style masked LMs call CrossEntropyLoss on the logits as they are: fp32 under autocast
         # (log_softmax is on its fp32 list), but half in a pure half model (traced).
-        raw = spec.head == "masked-lm" and spec.model_type in MLM_RAW_LOGITS_LOSS and not prec.autocast
-        lp = p if raw else 4
-        saved.append(Tensors("log_softmax output", lp * T * V))
+        lp = p if (mlm_raw and not prec.autocast) else FP32
+        saved.append(Tensors("log_softmax output", lp * T * V, kind=TensorKind.LOG_SOFTMAX))
         fwd = [Tensors("logits", p * T * V)]
         if p != lp:
-            fwd.append(Tensors("logits fp32 up-cast", 4 * T * V))
+            fwd.append(Tensors("logits fp32 up-cast", FP32 * T * V))
         # backward of nll + log_softmax: dL/dlogp and dL/dlogits in fp32 while the saved log_softmax
         # output is still alive: the peak of the loss backward (traced). The cast of the gradient back
         # to half comes after dL/dlogp and the saved output are freed, so it never adds to this peak.
@@ -311,7 +318,7 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
     # classification heads read one token (pooler / CLS) or all tokens for token classification
     n_tok = T if spec.head == "token-classification" else b
     saved.append(Tensors("head input", prec.residual * h * n_tok, rep=True))
-    return saved, [Tensors("logits", 4 * n_tok * max(spec.num_labels, 1))], []
+    return saved, [Tensors("logits", FP32 * n_tok * max(spec.num_labels, 1))], []
 
 
 def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
@@ -327,16 +334,16 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
     # weight copy is the head's autocast copy the estimator already counts)
     saved = saved + [Tensors("fused loss input (hidden states)", (p if prec.autocast else prec.residual) * h * T,
                              rep=True),
-                     Tensors("fused loss logsumexp", 4 * T)]
+                     Tensors("fused loss logsumexp", FP32 * T)]
     fwd = [Tensors("fused loss: logits chunk (half)", p * chunk * V),
-           Tensors("fused loss: logits chunk (fp32) and logsumexp's working copy", 4 * chunk * V, 2),
-           Tensors("fused loss: per-token losses", 4 * T)]
+           Tensors("fused loss: logits chunk (fp32) and logsumexp's working copy", FP32 * chunk * V, 2),
+           Tensors("fused loss: per-token losses", FP32 * T)]
     bwd = [Tensors("fused loss: weight gradient (allocated first, in the weight's compute dtype)", p * V * h),
-           Tensors("fused loss: hidden-state gradient sum (fp32)", 4 * T * h),
-           Tensors("fused loss: weight-gradient block sum (fp32)", 4 * vblock * h),
+           Tensors("fused loss: hidden-state gradient sum (fp32)", FP32 * T * h),
+           Tensors("fused loss: weight-gradient block sum (fp32)", FP32 * vblock * h),
            Tensors("fused loss: logits block (half)", p * tblock * vblock),
-           Tensors("fused loss: logits block (fp32) and its softmax", 4 * tblock * vblock, 2),
-           Tensors("fused loss: token block (fp32)", 4 * tblock * h)]
+           Tensors("fused loss: logits block (fp32) and its softmax", FP32 * tblock * vblock, 2),
+           Tensors("fused loss: token block (fp32)", FP32 * tblock * h)]
     return saved, fwd, bwd
 
 
@@ -347,7 +354,7 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
     eq. 2 (TP: s*b*h*(10 + 24/t + 5*a*s/(h*t))) and eq. 4 (TP + SP: s*b*h*(34 + 5*a*s/h)/t)."""
     if tp == 1:
         return ts
-    return [t if (t.rep and not sp) else Tensors(t.name, t.nbytes / tp, t.count, t.rep) for t in ts]
+    return [t if (t.rep and not sp) else replace(t, nbytes=t.nbytes / tp) for t in ts]
 
 
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
@@ -388,7 +395,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, fu
     base = [Tensors("residual, norm output", p * h * T, 2)]
     attn_ts = [Tensors("q, k, v", p * d * T * (a + 2 * k))]
     if attn == "eager":
-        attn_ts.append(Tensors("scores, probs", 4 * b * a * s * s, 2))
+        attn_ts.append(Tensors("scores, probs", FP32 * b * a * s * s, 2))
     else:
         attn_ts.append(Tensors("attention output", p * a * d * T))
     f_tok = T * (spec.experts_per_token if spec.is_moe else 1)
@@ -398,5 +405,5 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, fu
     if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
         n_tok = T if full_logits else b
         work.append(Tensors("logits", p * n_tok * V))
-        work.append(Tensors("logits fp32", 4 * n_tok * V))
+        work.append(Tensors("logits fp32", FP32 * n_tok * V))
     return work

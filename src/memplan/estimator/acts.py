@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memplan.estimator.activations import ActivationModel, Tensors, training_activations
+from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
 from memplan.estimator.states import CACHE_SIZE, train_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
@@ -26,10 +26,6 @@ from memplan.inputs.workload import Workload
 LISTS = ("layer", "decoder_layer", "embed", "head_saved", "lsm", "layer_input", "layer_core", "loss_forward",
          "loss_backward", "layer_backward")
 LIST = {name: i for i, name in enumerate(LISTS)}
-
-
-def is_log_softmax(t: Tensors) -> bool:
-    return t.name.startswith("log_softmax")
 
 
 class ActsKey(NamedTuple):
@@ -72,7 +68,7 @@ class Units(NamedTuple):
     member: np.ndarray  # (T, F) int64: 1 where the tensor belongs to list f
 
 
-def _tensors(am: ActivationModel) -> tuple[list[Tensors], np.ndarray]:
+def tensor_lists(am: ActivationModel) -> tuple[list[Tensors], np.ndarray]:
     """Every tensor of the model's lists (lsm is part of head_saved) and its list membership."""
     every, rows = [], []
     for name in LISTS:
@@ -91,11 +87,11 @@ def _tensors(am: ActivationModel) -> tuple[list[Tensors], np.ndarray]:
 @lru_cache(maxsize=CACHE_SIZE)
 def units(k: ActsKey) -> Units:
     if k.mb:
-        ts, member = _tensors(k.model(k.mb))
+        ts, member = tensor_lists(k.model(k.mb))
         c, x = np.array([float(t.nbytes) for t in ts]), np.zeros(len(ts))
     else:
-        ts, member = _tensors(k.model(1))
-        two, _ = _tensors(k.model(2))
+        ts, member = tensor_lists(k.model(1))
+        two, _ = tensor_lists(k.model(2))
         n1, n2 = np.array([float(t.nbytes) for t in ts]), np.array([float(t.nbytes) for t in two])
         c, x = 2 * n1 - n2, n2 - n1
     return Units(c, x, np.array([t.count for t in ts], np.int64), np.array([t.rep for t in ts], bool), member)

@@ -7,8 +7,9 @@ from memplan.errors import UserError
 from memplan.estimator.activations import inference_working_set
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
+from memplan.estimator.families import family
 from memplan.estimator.parallel import tied_head
-from memplan.estimator.rules import WEIGHT_FORMATS, WeightFormat
+from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
 from memplan.estimator.states import autocast_copies, rounded
 from memplan.estimator.meters import gpu_workspace, meters
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
@@ -24,7 +25,7 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) 
     window = spec.sliding_window
     if window and length > window:
         # gemma2 alternates sliding and global layers; mistral v0.1 slides on every layer
-        sliding = layers // 2 if spec.model_type == "gemma2" else layers
+        sliding = layers // family(spec.model_type).sliding_every
         return per_token * sequences * (sliding * window + (layers - sliding) * length)
     return per_token * sequences * layers * length
 
@@ -37,7 +38,7 @@ def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
 
 def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     fmt = WEIGHT_FORMATS[w.precision]
-    p = 4 if fmt.compute == "fp32" else 2
+    p = FP32 if fmt.compute == "fp32" else HALF
     notes: list[str] = []
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g))
     autocast = w.precision in ("fp16", "bf16")

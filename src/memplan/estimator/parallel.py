@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.estimator.rules import FP32, OptimRule, Precision
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 TP_SPLIT = ("attention", "mlp", "experts", "embeddings", "head")  # column/row/vocab parallel
@@ -100,8 +101,8 @@ class ZeroStates:
     cpu: int  # host RAM this GPU's process holds for offload
 
 
-def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, offload: str, half: bool,
-                moments: float, accumulating: bool) -> ZeroStates:
+def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, offload: str, prec: Precision,
+                optim: OptimRule, accumulating: bool) -> ZeroStates:
     """The states of one DeepSpeed rank holding tensors `ts`, partitioned over `dp` ranks (DeepSpeed
     0.19 read for each term; P = parameters of this GPU, N = dp; docs/parallel.md).
 
@@ -119,11 +120,14 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
     host RAM (stage 1/2: 18P/N, plus a half accumulation buffer under gradient accumulation; stage 3:
     4 + 8 + 2 + 4 = 18P/N); offload of parameters (stage 3) moves the half partitions too (2P/N).
     DeepSpeed without ZeRO (only used here under pipeline parallelism) is stage 1 with N = 1.
+    prec: the model's precision as DeepSpeed runs it (a half one, or fp32); optim: its state rule (the
+    moments are fp32 on the master copy whatever the model's dtype).
     """
     P = numel(ts)
     Pt = numel(ts, trainable_only=True)
-    pb = 2 if half else 4
-    master = 4 if half else 0
+    pb, half = prec.param, prec.half is not None
+    master = FP32 if half else 0
+    moments = optim.states * FP32
     b = ds_buckets(spec)
     n = dp if zero else 1
     part = lambda x: -(-x // n)  # noqa: E731  (flat buffers are padded to a multiple of the ranks)
@@ -132,12 +136,12 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
     if zero <= 2:
         if offload == "none":
             grads = Pt * pb if zero <= 1 else part(Pt) * pb
-            step = (pb + 4) * part(Pt) if half else 0
+            step = (pb + FP32) * part(Pt) if half else 0
             cpu = 0
         else:
             grads = largest * pb  # temp_grad_buffer_for_gpu_offload; partitions go to the host
             step = 0
-            cpu = opt + 4 * part(Pt) + pb * part(Pt) + (pb * part(Pt) if accumulating else 0)
+            cpu = opt + FP32 * part(Pt) + pb * part(Pt) + (pb * part(Pt) if accumulating else 0)
             opt = 0
         comm = 2 * b["reduce_bucket_size"] * pb
         # the stage-2 partition (grads_in_partition) is freed at each step (_release_ipg_buffers)
@@ -150,9 +154,9 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
         cpu += part(sharded) * pb
         weights = persistent * pb
     grads = part(Pt) * pb
-    step = (pb + 4) * min(part(Pt), SUB_GROUP_SIZE) if half else 0
+    step = (pb + FP32) * min(part(Pt), SUB_GROUP_SIZE) if half else 0
     if offload != "none":
-        cpu += opt + grads + 4 * part(Pt)
+        cpu += opt + grads + FP32 * part(Pt)
         opt, grads, step = 0, 0, 0
     gathered = gathered_numel(spec, ts) * pb
     return ZeroStates(weights, grads, True, step, opt, b["reduce_bucket_size"] * pb, gathered, cpu)
@@ -175,8 +179,8 @@ def gathered_numel(spec: ModelSpec, ts: list[ParamGroup]) -> int:
     return max(largest + b["stage3_prefetch_bucket_size"], kept) if sharded else 0
 
 
-def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, half: bool,
-                moments: float) -> ZeroStates:
+def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, prec: Precision,
+                optim: OptimRule) -> ZeroStates:
     """PyTorch FSDP2 (`fully_shard`, as accelerate applies it with an auto-wrap policy on the decoder /
     encoder layer class). accelerate's mixed precision sets MixedPrecisionPolicy(param_dtype=half,
     reduce_dtype=half) (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin.set_mixed_precision):
@@ -188,15 +192,17 @@ def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int
       after forward because backward starts with it;
     - shard-grad-op (reshard_after_forward=False): parameters stay gathered from forward to backward:
       every parameter in half at the backward peak;
-    - hybrid-shard: full-shard over the GPUs of one node (N = gpus), replicated across nodes."""
+    - hybrid-shard: full-shard over the GPUs of one node (N = gpus), replicated across nodes.
+    prec: the precision units are gathered in (param_dtype); optim: its state rule."""
     n = gpus if strategy == "hybrid-shard" else dp
     P = numel(ts)
     Pt = numel(ts, trainable_only=True)
     part = lambda x: -(-x // n)  # noqa: E731
-    pb = 2 if half else 4
+    pb = prec.param
     layer, root = fsdp_units(spec)
     gathered = P * pb if strategy == "shard-grad-op" else (3 * layer + root) * pb
-    return ZeroStates(part(P) * 4, part(Pt) * 4, False, 0, int(moments * part(Pt)), 0, gathered, 0)
+    moments = optim.states * FP32
+    return ZeroStates(part(P) * FP32, part(Pt) * FP32, False, 0, int(moments * part(Pt)), 0, gathered, 0)
 
 
 def fsdp_units(spec: ModelSpec) -> tuple[int, int]:

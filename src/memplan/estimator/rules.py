@@ -7,6 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# -- element widths -------------------------------------------------------------------------------
+# Bytes of one element of the dtypes the rules name outside a Precision (torch.finfo(dtype).bits // 8;
+# torch.bool is one byte): fp32 up-casts and statistics (softmax / log_softmax outputs, norm mean / rstd,
+# log-sum-exp), the master copy and moments of mixed-precision optimizers; autocast's half copies;
+# dropout masks (native_dropout saves a bool mask).
+FP32 = 4
+HALF = 2
+MASK = 1
+
 # -- precision ------------------------------------------------------------------------------------
 
 
@@ -150,9 +159,9 @@ def optimizer_state_bytes(rule: OptimRule, shape: tuple[int, ...], param_bytes: 
     if rule.quantized and numel >= BNB_MIN_8BIT_SIZE:
         # 1 byte per value per state + one fp32 absmax per block of 256, per state.
         blocks = -(-numel // BNB_BLOCK)
-        return states * (numel + 4 * blocks)
+        return states * (numel + FP32 * blocks)
     if rule.quantized:
-        return states * numel * 4  # bitsandbytes keeps small tensors in 32 bit
+        return states * numel * FP32  # bitsandbytes keeps small tensors in 32 bit
     return states * numel * param_bytes
 
 
@@ -178,7 +187,7 @@ ACTIVATION_SAVES: dict[str, tuple[str, ...]] = {
 
 def activation_saved_bytes(activation: str, act_bytes: int, autocast: bool) -> list[int]:
     """Bytes per element of each tensor the activation function saves (see ACTIVATION_SAVES)."""
-    up = 4 if autocast else act_bytes
+    up = FP32 if autocast else act_bytes
     return [up if w == "up" else act_bytes for w in ACTIVATION_SAVES.get(activation, ("act",))]
 
 
@@ -198,9 +207,8 @@ ALLOC_ROUND_LARGE = 2 << 20
 # -- memplan.kernels.linear_cross_entropy (kernels/cross_entropy.py, docs/kernels.md) -------------------
 # fp32 bytes of one block of logits: the forward's token chunk, the backward's vocabulary x token blocks
 FUSED_LOSS_CHUNK_BYTES = 64 << 20
-# causal-LM families memplan.kernels.apply patches: model_type -> attribute of the base model
-FUSED_LOSS_FAMILIES = {"llama": "model", "mistral": "model", "qwen2": "model", "gemma": "model", "gemma2": "model",
-                       "gpt2": "transformer"}
+
+
 def tiled_mlp_chunk(hidden: int) -> int:
     """Tokens per chunk of memplan.kernels' tiled MLP: `hidden` tokens, the rule of Arctic Long Sequence
     Training (Bekman et al. 2025: ceil(seqlen / hidden) shards), so a chunk's intermediate tensor is the
@@ -209,26 +217,16 @@ def tiled_mlp_chunk(hidden: int) -> int:
     return max(1, hidden)
 
 
-# masked-LM families whose head (transform, then a decoder with a bias) apply() gives the fused loss:
-# model_type -> the base model's attribute
-FUSED_LOSS_MASKED_LM = {"bert": "bert"}
-# families whose attention runs through transformers' AttentionInterface without logit soft-capping or a
-# position bias, so memplan.kernels' tiled attention can be their attn_implementation (kernels/attention.py)
-MEMPLAN_ATTN_FAMILIES = ("bert", "gemma", "gpt2", "llama", "mistral", "qwen2")
-# families whose layers memplan.kernels.apply gives the tiled MLP (kernels/patch.py): dense MLPs only
-TILED_MLP_FAMILIES = ("bert", "gemma", "gemma2", "gpt2", "llama", "mistral", "qwen2")
-
-
 def fused_loss_blocks(tokens: int, hidden: int, vocab: int, chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,
                       chunk: int | None = None) -> tuple[int, int, int]:
     """(forward token chunk, backward vocabulary block, backward token chunk) of the fused loss: the
     kernel (kernels/cross_entropy.py) and the activation model both size their blocks here."""
     chunk = chunk or fused_loss_chunk(vocab, chunk_bytes)
-    vblock = max(1, chunk_bytes // (4 * hidden))
-    tblock = max(chunk, chunk_bytes // (4 * min(vblock, vocab)))
+    vblock = max(1, chunk_bytes // (FP32 * hidden))
+    tblock = max(chunk, chunk_bytes // (FP32 * min(vblock, vocab)))
     return max(1, min(chunk, tokens)), min(vblock, vocab), max(1, min(tblock, tokens))
 
 
 def fused_loss_chunk(vocab: int, chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES) -> int:
     """Tokens per forward chunk of the fused loss: chunk_bytes of fp32 logits."""
-    return max(1, chunk_bytes // (4 * vocab))
+    return max(1, chunk_bytes // (FP32 * vocab))

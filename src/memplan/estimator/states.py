@@ -16,7 +16,7 @@ import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
-from memplan.estimator.rules import OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
+from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -150,11 +150,10 @@ def states_row(k: StatesKey) -> np.ndarray:
 
 def _sharded(k: StatesKey, groups: tuple[ParamGroup, ...]):
     """DeepSpeed ZeRO (any stage, or its pipeline engine) or FSDP: parallel.py's partitioned states."""
-    half = k.prec.half is not None
-    moments = OPTIMIZERS[k.optim].states * 4  # DeepSpeed's and FSDP's Adam keep fp32 moments
+    prec, rule = k.prec, OPTIMIZERS[k.optim]
     if k.fsdp != "none":
-        return fsdp_states(list(groups), k.spec, strategy=k.fsdp, dp=k.dp, gpus=k.gpus, half=half, moments=moments)
-    return zero_states(list(groups), k.spec, zero=k.zero, dp=k.dp, offload=k.offload, half=half, moments=moments,
+        return fsdp_states(list(groups), k.spec, strategy=k.fsdp, dp=k.dp, gpus=k.gpus, prec=prec, optim=rule)
+    return zero_states(list(groups), k.spec, zero=k.zero, dp=k.dp, offload=k.offload, prec=prec, optim=rule,
                        accumulating=k.accumulating)
 
 
@@ -162,7 +161,7 @@ def _step_temporaries(groups, trainable, prec: Precision, rule) -> int:
     """The optimizer's temporaries during step(): foreach's whole-group temporaries, or the largest
     single tensor's for per-parameter loops (rules.OptimRule)."""
     if rule.per_tensor_temp:
-        return int(rule.per_tensor_temp * round_block(max((g.numel for g in groups), default=0) * 4))
+        return int(rule.per_tensor_temp * round_block(max((g.numel for g in groups), default=0) * FP32))
     if rule.foreach_temp:
         return rounded(trainable, lambda g: g.numel * prec.param * rule.foreach_temp)
     return 0
@@ -181,7 +180,7 @@ def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     for g in groups:
         out.append((g.numel * prec.param, g.count))
         if prec.autocast and g.category in LINEAR_CATEGORIES:
-            out.append((g.numel * 2, g.count))  # the half copies autocast re-creates every step
+            out.append((g.numel * HALF, g.count))  # the half copies autocast re-creates every step
         if g.trainable:
             out.append((g.numel * prec.grad, g.count * (2 if k.dp > 1 else 1)))  # + DDP's bucket copy
             st = optimizer_state_bytes(rule, g.shape, prec.param, k.momentum)
@@ -201,7 +200,7 @@ def tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool, tp: int)
     return (3 if grads_live else 2) * round_block(-(-spec.vocab_size // tp) * spec.hidden_size * grad_bytes)
 
 
-def autocast_copies(groups, tied: int, half: int = 2) -> tuple[int, int, int]:
+def autocast_copies(groups, tied: int, half: int = HALF) -> tuple[int, int, int]:
     """(all copies, head copies, MLP copies): half copies of the parameters that autocast casts for
     matmuls. A tied LM head casts the embedding matrix (`tied` elements), so that copy exists too."""
     lin = tuple(g for g in groups if g.category in LINEAR_CATEGORIES)

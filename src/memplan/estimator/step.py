@@ -26,9 +26,8 @@ from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import gpu_workspace, meters
-from memplan.estimator.rules import (
-    FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM, MEMPLAN_ATTN_FAMILIES, OPTIMIZERS, PRECISIONS, TILED_MLP_FAMILIES,
-)
+from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
+from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum, train_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -42,17 +41,6 @@ MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BA
 
 
 # -- model support ---------------------------------------------------------------------------------
-# Attention implementations transformers offers per model_type (`_supports_sdpa` / `_supports_flash_attn`
-# in transformers 5 modelling files); eager exists everywhere.
-ATTN_UNSUPPORTED = {"t5": ("flash",), "gemma2": ("sdpa",)}
-
-
-def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
-    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
-    out = tuple(a for a in ("flash", "sdpa", "eager") if a not in ATTN_UNSUPPORTED.get(spec.model_type, ()))
-    return out + (("memplan",) if spec.model_type in MEMPLAN_ATTN_FAMILIES else ())
-
-
 def check_support(spec: ModelSpec, w: Workload) -> None:
     if w.attn not in supported_attn(spec):
         raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
@@ -67,21 +55,13 @@ def check_support(spec: ModelSpec, w: Workload) -> None:
         raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
     if w.tiled_mlp and not tiled_mlp_supported(spec):
         raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
-                        f"{', '.join(TILED_MLP_FAMILIES)}; "
+                        f"{', '.join(model_types(lambda f: f.tiled_mlp))}; "
                         f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
     if w.kernels and not fused_loss_supported(spec):
-        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))} "
-                        f"and the masked LMs of {', '.join(sorted(FUSED_LOSS_MASKED_LM))}; "
+        raise UserError(f"--kernels: the fused loss patches the causal LMs of "
+                        f"{', '.join(model_types(lambda f: f.fused_loss_causal_base))} "
+                        f"and the masked LMs of {', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; "
                         f"not {spec.model_type} ({spec.head})")
-
-
-def tiled_mlp_supported(spec: ModelSpec) -> bool:
-    return spec.model_type in TILED_MLP_FAMILIES and not spec.is_moe and spec.arch != "encoder-decoder"
-
-
-def fused_loss_supported(spec: ModelSpec) -> bool:
-    return ((spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES)
-            or (spec.head == "masked-lm" and spec.model_type in FUSED_LOSS_MASKED_LM))
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:

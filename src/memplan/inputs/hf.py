@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 from memplan.errors import UserError
+from memplan.estimator.families import family, model_types
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 # Default head per architecture, and the Auto class that builds it (issue #2: sequence classification
@@ -33,25 +34,6 @@ DEFAULT_HEAD = {
     "vision": "image-classification",
 }
 DEFAULT_NUM_LABELS = 2
-
-# model_type -> architecture kind, MLP kind, norm, position encoding. Data, not if-chains.
-ARCH: dict[str, tuple[str, str, str, str]] = {
-    "bert": ("encoder", "plain", "layernorm", "learned"),
-    "roberta": ("encoder", "plain", "layernorm", "learned"),
-    "distilbert": ("encoder", "plain", "layernorm", "learned"),
-    "gpt2": ("decoder", "plain", "layernorm", "learned"),
-    "opt": ("decoder", "plain", "layernorm", "learned"),
-    "gpt_neox": ("decoder", "plain", "layernorm", "rotary"),
-    "t5": ("encoder-decoder", "plain", "rmsnorm", "relative"),
-    "llama": ("decoder", "gated", "rmsnorm", "rotary"),
-    "mistral": ("decoder", "gated", "rmsnorm", "rotary"),
-    "mixtral": ("decoder", "gated", "rmsnorm", "rotary"),
-    "qwen2": ("decoder", "gated", "rmsnorm", "rotary"),
-    "gemma": ("decoder", "gated", "rmsnorm", "rotary"),
-    "gemma2": ("decoder", "gated", "rmsnorm", "rotary"),
-    "phi3": ("decoder", "gated", "rmsnorm", "rotary"),
-    "vit": ("vision", "plain", "layernorm", "learned"),
-}
 
 # Parameter name -> category; first match wins (norms before attention: "attention.output.LayerNorm").
 # DistilBERT's `pre_classifier` is head; OPT's `project_in/out` (word_embed_proj_dim <-> hidden) belong to the
@@ -104,10 +86,11 @@ def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_
     """The transformers config and the head, checked: shared by the spec reader and the model builder."""
     cfg = load_config(config, trust_remote_code)
     mt = cfg.model_type
-    if mt not in ARCH:
-        supported = ", ".join(sorted(ARCH))
+    arch = family(mt).arch
+    if arch is None:
+        supported = ", ".join(model_types(lambda f: f.arch))
         raise UserError(f"model_type {mt!r} has no activation model yet (supported: {supported})")
-    head = head or DEFAULT_HEAD[ARCH[mt][0]]
+    head = head or DEFAULT_HEAD[arch]
     if head not in HEADS:
         raise UserError(f"unknown head {head!r} (choose from {', '.join(HEADS)})")
     if head in ("sequence-classification", "token-classification") and "num_labels" not in (
@@ -131,7 +114,8 @@ def spec_from_config(
 
     cfg, head = prepare_config(config, head, trust_remote_code)
     mt = cfg.model_type
-    arch, mlp, norm, position = ARCH[mt]
+    fam = family(mt)
+    arch, mlp, norm, position = fam.arch, fam.mlp, fam.norm, fam.position
     auto = getattr(transformers, HEADS[head])
     try:
         with torch.device("meta"):
@@ -152,13 +136,12 @@ def spec_from_config(
     kv_heads = _get(cfg, "num_key_value_heads", default=heads)
     head_dim = _get(cfg, "head_dim", "d_kv", default=hidden // heads)
     inter = _get(cfg, "intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim", default=4 * hidden)
-    if mt == "gpt2" and cfg.n_inner is None:
+    if fam.mlp_width_4h_when_unset and cfg.n_inner is None:
         inter = 4 * hidden
     act = _get(cfg, "hidden_act", "activation_function", "feed_forward_proj", "hidden_activation", "activation")
-    if mt == "t5":
-        # T5 "gated-gelu" (v1.1) is a gated MLP; original T5 is "relu", a plain one.
-        mlp = "gated" if str(act).startswith("gated") else "plain"
-        act = str(act).replace("gated-", "")
+    prefix = fam.gated_act_prefix
+    if prefix and str(act).startswith(prefix):  # T5 v1.1 "gated-gelu"; original T5's "relu" is a plain MLP
+        mlp, act = "gated", str(act)[len(prefix):]
     n_layers = _get(cfg, "num_hidden_layers", "num_layers", "n_layer", "n_layers")
     n_dec = _get(cfg, "num_decoder_layers", default=0) if arch == "encoder-decoder" else 0
     hidden_dropout = float(_get(cfg, "hidden_dropout_prob", "resid_pdrop", "dropout", "dropout_rate",

@@ -23,12 +23,11 @@ import types
 
 import torch
 
-from memplan.estimator.rules import FUSED_LOSS_FAMILIES, FUSED_LOSS_MASKED_LM  # model_type -> the base model's attribute
-from memplan.estimator.rules import TILED_MLP_FAMILIES
+from memplan.estimator.families import GATED_ACT_KERNEL, family, model_types
 
 from .cross_entropy import linear_cross_entropy
 
-SUPPORTED = tuple(sorted(set(FUSED_LOSS_FAMILIES) | set(FUSED_LOSS_MASKED_LM) | set(TILED_MLP_FAMILIES)))
+SUPPORTED = model_types(lambda f: f.kernels)
 _ORIGINAL = "_memplan_original_forward"
 _APPLIED = "_memplan_kernels"  # what apply did: {"loss": bool, "mlp": [modules], "attention": previous impl}
 _FFN = "feed_forward_chunk"  # BertLayer's token-wise feed-forward
@@ -41,14 +40,14 @@ def apply(model: torch.nn.Module, *, loss: bool = True, mlp: bool = True, attent
 
     mlp_chunk: tokens per chunk of the tiled MLP (default: the hidden size, kernels/mlp.py)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED:
+    fam = family(model_type)
+    if not fam.kernels:
         raise ValueError(f"memplan.kernels.apply supports {', '.join(SUPPORTED)}; "
                          f"not {type(model).__name__} ({model_type})")
     if hasattr(model, _APPLIED):
         revert(model)
     done = {"loss": False, "mlp": [], "attention": None}
-    base_name = FUSED_LOSS_FAMILIES.get(model_type)
-    mlm_base = FUSED_LOSS_MASKED_LM.get(model_type)
+    base_name, mlm_base = fam.fused_loss_causal_base, fam.fused_loss_mlm_base
     if loss and base_name and hasattr(model, base_name) and hasattr(model, "lm_head"):
         setattr(model, _ORIGINAL, model.forward)
         model.forward = types.MethodType(_forward_with(base_name), model)
@@ -59,10 +58,10 @@ def apply(model: torch.nn.Module, *, loss: bool = True, mlp: bool = True, attent
         done["loss"] = True
     elif loss and not (mlp or attention):
         raise ValueError(f"memplan.kernels.apply(loss=True): the fused loss is for the causal LMs of "
-                         f"{', '.join(sorted(FUSED_LOSS_FAMILIES))} and the masked LMs of "
-                         f"{', '.join(sorted(FUSED_LOSS_MASKED_LM))}; not {type(model).__name__}")
-    if mlp and model_type in TILED_MLP_FAMILIES:
-        done["mlp"] = _tile_mlps(model, model_type, mlp_chunk)
+                         f"{', '.join(model_types(lambda f: f.fused_loss_causal_base))} and the masked LMs of "
+                         f"{', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; not {type(model).__name__}")
+    if mlp and fam.tiled_mlp:
+        done["mlp"] = _tile_mlps(model, fam.tiled_ffn_layer, mlp_chunk)
     if attention:
         done["attention"] = _use_tiled_attention(model)
     setattr(model, _APPLIED, done)
@@ -96,13 +95,14 @@ def revert(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _tile_mlps(model: torch.nn.Module, model_type: str, chunk: int | None) -> list[torch.nn.Module]:
+def _tile_mlps(model: torch.nn.Module, ffn_layer: str | None, chunk: int | None) -> list[torch.nn.Module]:
+    """Tile every `*MLP` module, or the feed_forward_chunk of every `ffn_layer` (families.Family.tiled_ffn_layer)."""
     from .mlp import patch_mlp
 
     out = []
     for m in model.modules():
-        if model_type == "bert":
-            if type(m).__name__ == "BertLayer":
+        if ffn_layer:
+            if type(m).__name__ == ffn_layer:
                 # the feed-forward (intermediate -> output dense -> dropout -> LayerNorm with the residual)
                 # is token-wise; BertLayer.forward calls it through apply_chunking_to_forward
                 setattr(m, _FFN, _tiled_feed_forward(m, chunk))
@@ -116,16 +116,19 @@ def _tile_mlps(model: torch.nn.Module, model_type: str, chunk: int | None) -> li
     return out
 
 
-# the activation modules of transformers' gated MLPs (ACT2FN's classes) -> gated_act's name; others
-# (NewGELU, exact GELU, ...) keep the module's own forward
-GATED_ACTS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
-
-
 def _gated_act_name(mlp: torch.nn.Module) -> str | None:
-    """gated_act's name for this MLP's activation, if it is a gate / up / down MLP gated_act can run."""
+    """gated_act's name for this MLP's activation, if it is a gate / up / down MLP gated_act can run: the
+    activation module is the class transformers' ACT2CLS builds for a name in families.GATED_ACT_KERNEL;
+    others (NewGELU, exact GELU, ...) keep the module's own forward."""
+    from transformers.activations import ACT2CLS
+
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return None
-    return GATED_ACTS.get(type(mlp.act_fn).__name__)
+    for hidden_act, name in GATED_ACT_KERNEL.items():
+        cls = ACT2CLS[hidden_act]
+        if type(mlp.act_fn) is (cls[0] if isinstance(cls, tuple) else cls):  # (class, kwargs) entries
+            return name
+    return None
 
 
 def _gated_forward(mlp: torch.nn.Module, act: str):

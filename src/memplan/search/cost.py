@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from memplan.estimator.rules import FP32, HALF
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
@@ -160,7 +161,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     # 1F1B: (pp - 1) micro-batch slots of fill and drain, divided by the virtual stages when interleaved
     bubble = micro * (w0.pp - 1) / vpp
     half = _col([w.precision != "fp32" for w in bases]).astype(bool)
-    act_bytes = np.where(half, 2.0, 4.0)
+    act_bytes = np.where(half, HALF, FP32)
     terms = (micro * m, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
              _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
              _dp_comm(gpu, bases, m, half, params, compute_micro), _optimizer(gpu, bases, m, params, state, bw))
@@ -193,8 +194,8 @@ def _dp_comm(gpu: GPUProfile, bases: list[Workload], m, half, params, compute_mi
     w0, dp = bases[0], bases[0].dp
     zero = _col([w.zero for w in bases])
     sharded = (zero > 0) | _col([w.fsdp != "none" for w in bases]).astype(bool)
-    g_bytes = params * np.where(half & sharded, 2.0, 4.0)  # FSDP: reduce_dtype = the half dtype
-    p_bytes = params * np.where(half, 2.0, 4.0)
+    g_bytes = params * np.where(half & sharded, HALF, FP32)  # FSDP: reduce_dtype = the half dtype
+    p_bytes = params * np.where(half, HALF, FP32)
     if dp == 1:
         return np.zeros(params.shape)
     dpbw = group_bw(gpu, w0, w0.tp, dp)
@@ -237,8 +238,8 @@ def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, state, bw: flo
     sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
     n_opt = params / np.where(sharded, dp, 1)
     pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
-    cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * 2 * n_opt + 2 * n_opt) / pcie)
-    all_extra = m * 2 * (params / dp) * 2 / pcie
+    cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * HALF * n_opt + HALF * n_opt) / pcie)
+    all_extra = m * 2 * (params / dp) * HALF / pcie  # up for forward and again for backward
     off = _col([w.offload != "none" for w in bases]).astype(bool)
     off_all = _col([w.offload == "all" for w in bases]).astype(bool)
     return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), OPTIMIZER_TRAFFIC * state / bw)

@@ -1,0 +1,152 @@
+"""Per-family facts: one row per transformers `model_type`, every quirk the estimator, the config reader,
+memplan.kernels and memplan.selective need to know about a model family. Pure data, no torch.
+
+Code asks `family(spec.model_type).fact`; a model_type without a row (a hand-built spec such as
+modelspec.megatron_gpt) gets `Family()`'s defaults, which describe a plain transformers model.
+Sources: transformers 5.23, `transformers/models/<model_type>/modeling_<model_type>.py` (and
+configuration_<model_type>.py) unless a field's comment names another file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memplan.inputs.modelspec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    # -- architecture (read by inputs/hf.py; None: memplan has no activation model for the family) ---------
+    arch: str | None = None  # "encoder", "decoder", "encoder-decoder", "vision"
+    mlp: str = "plain"  # "plain" (up, act, down) or "gated" (act(gate) * up, down)
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    position: str = "learned"  # "learned", "rotary" or "relative"
+    # The activation string that selects a gated MLP, stripped from the activation's name
+    # (T5Config.feed_forward_proj "gated-gelu" -> T5DenseGatedActDense).
+    gated_act_prefix: str | None = None
+    # The config leaves the MLP width unset and the model uses 4 * hidden (GPT2Config.n_inner = None,
+    # GPT2Block: inner_dim = 4 * hidden_size).
+    mlp_width_4h_when_unset: bool = False
+
+    # -- activation model (estimator/activations.py, docs/activations.md) -----------------------------------
+    # eager_attention_forward runs softmax(..., dtype=torch.float32).to(query.dtype)
+    softmax_fp32: bool = False
+    qkv_linears: int = 3  # linears reading the attention input: q, k, v projections, or one fused qkv
+    gated_up_linears: int = 2  # linears reading a gated MLP's input: gate and up, or one fused gate_up
+    norms_per_layer: int | None = None  # None: 2 per encoder / decoder-only layer, 3 per cross-attending layer
+    mlp_inner_dropout: bool = False  # dropout between the MLP's up and down projections
+    parallel_residual: bool = False  # attention and MLP read the same norm output (one MLP input cast)
+    # The masked-LM head runs a transform (dense, act, LayerNorm) and its loss is CrossEntropyLoss on the
+    # logits as they are, no fp32 up-cast (ForMaskedLMLoss, e.g. ModernBERT's, up-casts).
+    mlm_raw_logits_loss: bool = False
+    embedding_norm: bool = True  # an encoder's / vision model's embeddings end with a LayerNorm
+    # The SDPA / flash query is a view of the fused QKV output (no rotary embedding makes a new tensor),
+    # so the k and v in that output stay alive beside the KV cache's copies (traced).
+    query_views_fused_qkv: bool = False
+    # Norms inside the region memplan.kernels' tiled MLP recomputes (they save nothing under it).
+    tiled_mlp_norms: int = 0
+    # Every n-th layer keeps a sliding-window KV cache (transformers' DynamicSlidingWindowLayer); 1: all
+    # layers slide when the config has a window (mistral v0.1).
+    sliding_every: int = 1
+
+    # -- what memplan and transformers can run -------------------------------------------------------------
+    # attention implementations transformers lacks (`_supports_sdpa` / `_supports_flash_attn`); eager exists
+    # everywhere
+    attn_unsupported: tuple[str, ...] = ()
+    # attention through transformers' AttentionInterface without logit soft-capping or a position bias, so
+    # memplan.kernels' tiled attention can be the attn_implementation (kernels/attention.py)
+    memplan_attention: bool = False
+    # memplan.kernels.apply's fused loss (kernels/patch.py): the attribute holding the base model of the
+    # causal LM (ForCausalLM.model / .transformer) or of the masked LM (BertForMaskedLM.bert)
+    fused_loss_causal_base: str | None = None
+    fused_loss_mlm_base: str | None = None
+    tiled_mlp: bool = False  # memplan.kernels.apply tiles the layers' dense MLPs (kernels/patch.py)
+    # The layer class whose token-wise feed_forward_chunk apply() tiles instead of an `*MLP` module.
+    tiled_ffn_layer: str | None = None
+    # The attention modules call the core through ALL_ATTENTION_FUNCTIONS (transformers 5.x), so
+    # memplan.selective can checkpoint it: checked by counting calls of the wrapped core and comparing
+    # loss and gradients with the unpatched model (tests/test_selective.py).
+    selective: bool = False
+
+    @property
+    def kernels(self) -> bool:
+        """memplan.kernels.apply has something for this family: the fused loss or the tiled MLP."""
+        return bool(self.fused_loss_causal_base or self.fused_loss_mlm_base or self.tiled_mlp)
+
+
+_ENCODER = dict(arch="encoder", selective=True)
+_DECODER = dict(arch="decoder", selective=True)
+_ROTARY_GATED = dict(_DECODER, mlp="gated", norm="rmsnorm", position="rotary", softmax_fp32=True)
+# memplan.kernels' full support: fused causal-LM loss on the base model `model`, tiled MLP, tiled attention
+_KERNELS = dict(fused_loss_causal_base="model", tiled_mlp=True, memplan_attention=True)
+
+FAMILIES: dict[str, Family] = {
+    # BertOutput ends the feed-forward with its LayerNorm, inside the tiled region (BertLayer.feed_forward_chunk);
+    # deberta_v2's masked LM also takes CrossEntropyLoss on raw logits (not modelled: no activation model).
+    "bert": Family(**_ENCODER, mlm_raw_logits_loss=True, tiled_mlp_norms=1, memplan_attention=True,
+                   fused_loss_mlm_base="bert", tiled_mlp=True, tiled_ffn_layer="BertLayer"),
+    "roberta": Family(**_ENCODER, mlm_raw_logits_loss=True),
+    "distilbert": Family(**_ENCODER),
+    # GPT2Attention.c_attn is one Conv1D for q, k, v
+    "gpt2": Family(**_DECODER, mlp_width_4h_when_unset=True, qkv_linears=1, query_views_fused_qkv=True,
+                   fused_loss_causal_base="transformer", tiled_mlp=True, memplan_attention=True),
+    "opt": Family(**_DECODER, softmax_fp32=True),
+    # GPTNeoXAttention.query_key_value; GPTNeoXLayer: use_parallel_residual
+    "gpt_neox": Family(**_DECODER, position="rotary", softmax_fp32=True, qkv_linears=1, parallel_residual=True),
+    # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
+    "t5": Family(arch="encoder-decoder", norm="rmsnorm", position="relative", gated_act_prefix="gated-",
+                 softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",), selective=True),
+    "llama": Family(**_ROTARY_GATED, **_KERNELS),
+    "mistral": Family(**_ROTARY_GATED, **_KERNELS),
+    "mixtral": Family(**_ROTARY_GATED),
+    "qwen2": Family(**_ROTARY_GATED, **_KERNELS),
+    "gemma": Family(**_ROTARY_GATED, **_KERNELS),
+    # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
+    # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
+    # (no memplan attention)
+    "gemma2": Family(**_ROTARY_GATED, norms_per_layer=4, sliding_every=2, attn_unsupported=("sdpa",),
+                     fused_loss_causal_base="model", tiled_mlp=True),
+    # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
+    "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),
+    # ViTEmbeddings: patch projection, cls token, position embeddings, no LayerNorm
+    "vit": Family(arch="vision", softmax_fp32=True, embedding_norm=False, selective=True),
+}
+
+_DEFAULT = Family()
+
+# hidden_act values of gated MLPs that memplan.kernels.apply runs through gated_act (transformers
+# activations.ACT2CLS: silu -> SiLUActivation, swish -> nn.SiLU, gelu_pytorch_tanh -> GELUTanh) -> the
+# name gated_act takes (kernels/mlp.py ACTS)
+GATED_ACT_KERNEL: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def family(model_type: str | None) -> Family:
+    """The facts of one family; the defaults for a model_type without a row."""
+    return FAMILIES.get(model_type or "", _DEFAULT)
+
+
+def model_types(has: Callable[[Family], object]) -> tuple[str, ...]:
+    """The model_types (sorted) whose family has the fact `has` tests, e.g. lambda f: f.tiled_mlp."""
+    return tuple(sorted(mt for mt, f in FAMILIES.items() if has(f)))
+
+
+def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
+    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
+    fam = family(spec.model_type)
+    out = tuple(a for a in ("flash", "sdpa", "eager") if a not in fam.attn_unsupported)
+    return out + (("memplan",) if fam.memplan_attention else ())
+
+
+def tiled_mlp_supported(spec: ModelSpec) -> bool:
+    return family(spec.model_type).tiled_mlp and not spec.is_moe and spec.arch != "encoder-decoder"
+
+
+def fused_loss_base(spec: ModelSpec) -> str | None:
+    """The base model's attribute memplan.kernels' fused loss runs for this model's head, if it has one."""
+    fam = family(spec.model_type)
+    return {"causal-lm": fam.fused_loss_causal_base, "masked-lm": fam.fused_loss_mlm_base}.get(spec.head)
+
+
+def fused_loss_supported(spec: ModelSpec) -> bool:
+    return fused_loss_base(spec) is not None
