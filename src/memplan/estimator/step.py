@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from memplan.estimator.activations import ActivationModel, Tensors, inference_working_set, training_activations
 from memplan.errors import UserError
+from memplan.inputs import constraints
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.inputs.profiles import GPUProfile
@@ -114,28 +115,6 @@ def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
     return out + (("memplan",) if spec.model_type in MEMPLAN_ATTN_FAMILIES else ())
 
 
-def check_support(spec: ModelSpec, w: Workload) -> None:
-    if w.attn not in supported_attn(spec):
-        raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
-                        f"(choose from {', '.join(supported_attn(spec))})")
-    if w.attn == "memplan" and w.task == "train" and spec.attention_dropout > 0:
-        raise UserError(f"--attn memplan has no attention dropout and {spec.name}'s config has "
-                        f"{spec.attention_dropout:g}: set the config's attention dropout to 0, or choose another --attn")
-    bad = tp_problem(spec, w.tp)
-    if bad:
-        raise UserError(bad)
-    if w.pp > spec.total_layers:
-        raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
-    if w.tiled_mlp and not tiled_mlp_supported(spec):
-        raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
-                        f"{', '.join(TILED_MLP_FAMILIES)}; "
-                        f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
-    if w.kernels and not fused_loss_supported(spec):
-        raise UserError(f"--kernels: the fused loss patches the causal LMs of {', '.join(sorted(FUSED_LOSS_FAMILIES))} "
-                        f"and the masked LMs of {', '.join(sorted(FUSED_LOSS_MASKED_LM))}; "
-                        f"not {spec.model_type} ({spec.head})")
-
-
 def tiled_mlp_supported(spec: ModelSpec) -> bool:
     return spec.model_type in TILED_MLP_FAMILIES and not spec.is_moe and spec.arch != "encoder-decoder"
 
@@ -143,26 +122,6 @@ def tiled_mlp_supported(spec: ModelSpec) -> bool:
 def fused_loss_supported(spec: ModelSpec) -> bool:
     return ((spec.head == "causal-lm" and spec.model_type in FUSED_LOSS_FAMILIES)
             or (spec.head == "masked-lm" and spec.model_type in FUSED_LOSS_MASKED_LM))
-
-
-def tp_problem(spec: ModelSpec, tp: int) -> str | None:
-    """Tensor parallelism splits attention heads and KV heads (AutoTP / Megatron need both divisible)."""
-    if tp > 1 and (spec.num_heads % tp or spec.num_kv_heads % tp):
-        return (f"--tp {tp} must divide {spec.name}'s {spec.num_heads} attention heads and "
-                f"{spec.num_kv_heads} KV heads")
-    return None
-
-
-def check_hardware(gpu: GPUProfile, w: Workload) -> None:
-    """Refuse what the hardware cannot do, with the reason."""
-    if "bf16" in w.precision and not gpu.bf16:
-        cc = ".".join(map(str, gpu.compute_capability))
-        raise UserError(f"{gpu.name} (sm {cc}) has no bf16 support (needs compute capability >= 8.0); "
-                        "use --precision fp16")
-    if w.attn == "flash" and not gpu.flash_attention:
-        cc = ".".join(map(str, gpu.compute_capability))
-        raise UserError(f"FlashAttention-2 needs compute capability >= 8.0; {gpu.name} is sm {cc} "
-                        "(use --attn sdpa)")
 
 
 class Peak(NamedTuple):
@@ -215,8 +174,7 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int | None = None, m
 
 
 def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
-    check_hardware(gpu, w)
-    check_support(spec, w)
+    constraints.check(spec, gpu, w)
     return report(spec, gpu, w, peak(spec, gpu, w))
 
 
