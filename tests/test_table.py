@@ -9,6 +9,7 @@ from memplan.estimator import step as estimator
 from memplan.estimator import table
 from memplan.api import workload
 from memplan.errors import UserError
+from memplan.inputs import constraints
 
 KNOBS = st.fixed_dictionaries({
     "zero": st.sampled_from([0, 1, 2, 3]), "fsdp": st.sampled_from(["none", "full-shard", "shard-grad-op", "hybrid-shard"]),
@@ -42,8 +43,7 @@ def test_table_equals_the_scalar_estimate(model, layout, gpu, knobs):
         try:
             w = workload(task="train", micro_batch=1, grad_accum=per_rank, seq_len=128, gpus=gpus, nodes=nodes, tp=tp,
                          pp=pp, **k)
-            estimator.check_hardware(prof, w)
-            estimator.check_support(spec, w)
+            constraints.check(spec, prof, w)
         except UserError:
             continue
         bases.append(w)
@@ -104,7 +104,7 @@ def test_table_equals_the_scalar_estimate_on_every_precision_and_checkpointing(m
                     try:
                         w = workload(task="train", micro_batch=1, grad_accum=per_rank, seq_len=256, gpus=gpus,
                                      tp=tp, pp=pp, precision=prec, grad_ckpt=ckpt, attn=attn, sp=tp > 1)
-                        estimator.check_support(spec, w)
+                        constraints.check(spec, prof, w)
                     except UserError:
                         continue
                     bases.append(w)

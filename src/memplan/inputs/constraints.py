@@ -206,6 +206,10 @@ TABLE: tuple[Constraint, ...] = (
                        f"and the masked LMs of {', '.join(sorted(FUSED_LOSS_MASKED_LM))}; "
                        f"not {m.model_type} ({m.head})",
        {"kernels": True}, model="t5-small"),
+    _c("generation-needs-decoder", "model", "max_new_tokens",
+       lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
+       lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",
+       {"task": "infer", "precision": "fp16", "max_new_tokens": 8}, model="bert-base"),
     # each virtual stage holds layers / (pp * vpp) whole layers (Megatron-LM asserts the division)
     _c("vpp-divides-layers", "model", "pp vpp",
        lambda w, m, g: w.vpp > 1 and m.total_layers % (w.pp * w.vpp) != 0,
@@ -250,7 +254,8 @@ class Draft(dict):
 Axis = tuple[str | tuple[str, ...], Sequence[Any]]  # a field (or fields set together) and its values
 
 
-def assignments(fixed: dict[str, Any], axes: Sequence[Axis], spec: ModelSpec, gpu: GPUProfile) -> Iterator[dict[str, Any]]:
+def assignments(fixed: dict[str, Any], axes: Sequence[Axis], spec: ModelSpec,
+                gpu: GPUProfile) -> Iterator[dict[str, Any]]:
     """Every assignment of `axes` (in order) on top of `fixed` that no entry refuses. Each entry is
     tested as soon as every field it reads is set, so a refused prefix is not expanded; entries that
     read a field neither fixed nor in the axes are left to the caller."""

@@ -78,7 +78,7 @@ class SearchRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _positions(self) -> SearchRequest:
+    def _consistent(self) -> SearchRequest:
         spec, seq = self.spec, self.seq_len
         if seq and spec.arch != "vision" and spec.max_position and seq > spec.max_position and spec.position == "learned":
             raise ValueError(f"--seq-len {seq} exceeds {spec.name}'s {spec.max_position} learned positions")
@@ -86,7 +86,8 @@ class SearchRequest(BaseModel):
             Workload(**self.common())
         except ValidationError as e:
             err = e.errors()[0]
-            raise ValueError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg'].removeprefix('Value error, ')}") from None
+            option = str(err["loc"][0]).replace("_", "-")
+            raise ValueError(f"--{option}: {err['msg'].removeprefix('Value error, ')}") from None
         return self
 
     @classmethod

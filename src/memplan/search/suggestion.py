@@ -80,8 +80,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     whole_front = pareto(found)
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch, gpus=sp.gpus,
-        nodes=sp.nodes, objective=req.objective, defaults=defaults(req), searched=searched(sp, req.gpus * req.nodes), candidates=s.evaluated + n,
-        search_seconds=time.perf_counter() - t0, plans=[plan(req, c) for c in distinct(found, req.top)],
+        nodes=sp.nodes, objective=req.objective, defaults=defaults(req), searched=searched(sp, req.gpus * req.nodes),
+        candidates=s.evaluated + n, search_seconds=time.perf_counter() - t0, plans=[plan(req, c) for c in distinct(found, req.top)],
         pareto=[plan(req, c) for c in whole_front[:12]], pareto_size=len(whole_front),
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
 
