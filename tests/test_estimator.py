@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import memplan
 from memplan.estimator import step as estimator
+from memplan.estimator.families import supported_attn
 from memplan.errors import UserError
 
 MiB = 1 << 20
@@ -88,7 +89,7 @@ def _config(draw):
     FlashAttention-2 only in half precision."""
     model = draw(st.sampled_from(MODELS))
     precision = draw(st.sampled_from(["fp32", "fp16", "bf16", "bf16-pure"]))
-    attns = [a for a in estimator.supported_attn(memplan.resolve_model(model))
+    attns = [a for a in supported_attn(memplan.resolve_model(model))
              if a != "memplan" and not (a == "flash" and precision == "fp32")]
     return dict(model=model, precision=precision, attn=draw(st.sampled_from(attns)),
                 optim=draw(st.sampled_from(["adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adafactor", "sgd"])),

@@ -66,3 +66,31 @@ def test_every_inference_plan_fits(model, gpu, gpus, batch):
     for p in s.plans:
         assert p.estimate.fits and p.estimate.device_used_bytes <= p.estimate.usable_bytes
         assert p.micro_batch * p.grad_accum * p.dp == batch
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"top": 0}, "--top must be at least 1"),
+    ({"gpus": 0}, "--gpus and --nodes must be at least 1"),
+    ({"objective": "fastest"}, "unknown objective 'fastest'"),
+    ({"global_batch": -4}, "--batch-size and --seq-len must be positive"),
+    ({"headroom": 1.5}, "--headroom: "),
+    ({"tp": "0", "gpus": 2}, "--tp: a degree is at least 1"),
+    ({"zero": "4"}, "unknown zero '4'"),
+    ({"micro_batch": 2}, "micro_batch: "),  # not an option of suggest
+    ({"grad_ckpt": "full", "task": "infer"}, "--grad-ckpt applies to training only"),  # named: refused as estimate does
+    ({"tp": "4", "gpus": 2}, "--tp 4 must stay inside a node of 2 GPUs"),
+])
+def test_bad_requests_are_one_line_user_errors(options, message):
+    with pytest.raises(UserError) as e:
+        memplan.suggest("gpt2", "a100-80g", **options)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_plan_is_its_workload_with_the_flat_json_keys():
+    s = memplan.suggest("gpt2", "a100-80g", seq_len=256, global_batch=16, gpus=4, top=3)
+    for p in s.plans:
+        w, doc = p.workload, p.model_dump(mode="json")
+        assert p.estimate.workload == w
+        assert (doc["micro_batch"], doc["grad_accum"], doc["zero_stage"], doc["dp"], doc["global_batch"]) == (
+            w.micro_batch, w.grad_accum, w.zero, w.dp, 16)
+        assert "workload" not in doc  # the JSON keeps the flat keys launchers and `verify --plan` read

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.estimator import step as estimator
+from memplan.estimator.families import supported_attn
 from memplan.search import suggestion as search
 from memplan.inputs.catalog import resolve_model
 from memplan.errors import UserError
@@ -15,11 +16,13 @@ from memplan.inputs.profiles import GPUProfile, load_gpu
 from memplan.inputs.workload import Workload
 
 
-def _spec(model: str | ModelSpec, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+def resolve_spec(model: str | ModelSpec, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """A ModelSpec as given, or resolved from a catalog name / Hugging Face id / config path."""
     return model if isinstance(model, ModelSpec) else resolve_model(model, head=head, trust_remote_code=trust_remote_code)
 
 
-def _gpu(gpu: str | GPUProfile) -> GPUProfile:
+def resolve_gpu(gpu: str | GPUProfile) -> GPUProfile:
+    """A GPUProfile as given, or loaded by name / alias / file."""
     return gpu if isinstance(gpu, GPUProfile) else load_gpu(gpu)
 
 
@@ -46,13 +49,13 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     work: the Workload fields (task, micro_batch, seq_len, grad_accum, precision, optim, grad_ckpt,
     attn, max_new_tokens, beams, momentum, zero_grad, headroom).
     """
-    spec = _spec(model, head, trust_remote_code)
+    spec = resolve_spec(model, head, trust_remote_code)
     if work.get("attn") is None:  # sdpa, transformers' default, where the model has it
-        work["attn"] = "sdpa" if "sdpa" in estimator.supported_attn(spec) else "eager"
-    return estimator.estimate(spec, _gpu(gpu), workload(**work))
+        work["attn"] = "sdpa" if "sdpa" in supported_attn(spec) else "eager"
+    return estimator.estimate(spec, resolve_gpu(gpu), workload(**work))
 
 
 def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
             trust_remote_code: bool = False, **options: Any) -> search.Suggestion:
-    """Ranked plans that fit: see memplan.search.suggestion.suggest for the options."""
-    return search.suggest(_spec(model, head, trust_remote_code), _gpu(gpu), **options)
+    """Ranked plans that fit: the options are the fields of memplan.search.request.SearchRequest."""
+    return search.suggest(resolve_spec(model, head, trust_remote_code), resolve_gpu(gpu), **options)

@@ -136,10 +136,10 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
              offload, tp, pp, sp, vpp, cpu_mem) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from memplan import api
-    from memplan.search.suggestion import best_mixed_precision, default_seq_len
+    from memplan.search.space import best_mixed_precision, default_seq_len
 
-    spec = api._spec(model, head, trust_remote_code)
-    prof = api._gpu(gpu)
+    spec = api.resolve_spec(model, head, trust_remote_code)
+    prof = api.resolve_gpu(gpu)
     if precision is None:
         precision = "fp32" if task == "train" else best_mixed_precision(prof, task)
     est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
@@ -201,7 +201,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
         if task != "train":
             raise UserError("--emit writes training configs; --task infer has none")
         what = ("trainer", "deepspeed", "accelerate") if emit == "all" else (emit,)
-        written = s.plans[0].write(out_dir, what, force=force, spec=api._spec(model, head, trust_remote_code))
+        written = s.plans[0].write(out_dir, what, force=force, spec=api.resolve_spec(model, head, trust_remote_code))
         if written and not as_json:
             click.echo("wrote " + ", ".join(written))
 

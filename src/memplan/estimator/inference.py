@@ -3,7 +3,6 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.errors import UserError
 from memplan.estimator.activations import inference_working_set
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
@@ -46,8 +45,6 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     cache = autocast_copies(list(spec.params), tied)[0] if autocast else 0
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
-    if generate and spec.arch in ("encoder", "vision"):
-        raise UserError(f"{spec.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder")
     kv = kv_cache_bytes(spec, seqs, w.seq_len + w.max_new_tokens, p) if generate else 0
     kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, p) if generate else 0
     work_ts = inference_working_set(spec, seqs, w.seq_len, p, w.attn, full_logits=not generate)

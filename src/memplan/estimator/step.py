@@ -19,16 +19,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memplan.errors import UserError
 from memplan.estimator import acts as A
 from memplan.estimator.activations import training_activations
 from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import gpu_workspace, meters
-from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum, train_precision
+from memplan.inputs import constraints
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
@@ -38,50 +37,6 @@ PHASES = ("forward-loss", "backward-start", "backward-layer", "optimizer-step", 
 FORWARD_LOSS, BACKWARD_START, BACKWARD_LAYER, OPTIMIZER_STEP, BACKWARD_END = range(len(PHASES))
 # the activation lists alive at a moment besides the saved ones (none at the optimizer step)
 MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BACKWARD_LAYER: "layer_backward"}
-
-
-# -- model support ---------------------------------------------------------------------------------
-def check_support(spec: ModelSpec, w: Workload) -> None:
-    if w.attn not in supported_attn(spec):
-        raise UserError(f"transformers has no {w.attn} attention for {spec.model_type} "
-                        f"(choose from {', '.join(supported_attn(spec))})")
-    if w.attn == "memplan" and w.task == "train" and spec.attention_dropout > 0:
-        raise UserError(f"--attn memplan has no attention dropout and {spec.name}'s config has "
-                        f"{spec.attention_dropout:g}: set the config's attention dropout to 0, or choose another --attn")
-    bad = tp_problem(spec, w.tp)
-    if bad:
-        raise UserError(bad)
-    if w.pp > spec.total_layers:
-        raise UserError(f"--pp {w.pp} exceeds {spec.name}'s {spec.total_layers} layers")
-    if w.tiled_mlp and not tiled_mlp_supported(spec):
-        raise UserError(f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
-                        f"{', '.join(model_types(lambda f: f.tiled_mlp))}; "
-                        f"not {spec.model_type}{' (mixture of experts)' if spec.is_moe else ''}")
-    if w.kernels and not fused_loss_supported(spec):
-        raise UserError(f"--kernels: the fused loss patches the causal LMs of "
-                        f"{', '.join(model_types(lambda f: f.fused_loss_causal_base))} "
-                        f"and the masked LMs of {', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; "
-                        f"not {spec.model_type} ({spec.head})")
-
-
-def tp_problem(spec: ModelSpec, tp: int) -> str | None:
-    """Tensor parallelism splits attention heads and KV heads (AutoTP / Megatron need both divisible)."""
-    if tp > 1 and (spec.num_heads % tp or spec.num_kv_heads % tp):
-        return (f"--tp {tp} must divide {spec.name}'s {spec.num_heads} attention heads and "
-                f"{spec.num_kv_heads} KV heads")
-    return None
-
-
-def check_hardware(gpu: GPUProfile, w: Workload) -> None:
-    """Refuse what the hardware cannot do, with the reason."""
-    if "bf16" in w.precision and not gpu.bf16:
-        cc = ".".join(map(str, gpu.compute_capability))
-        raise UserError(f"{gpu.name} (sm {cc}) has no bf16 support (needs compute capability >= 8.0); "
-                        "use --precision fp16")
-    if w.attn == "flash" and not gpu.flash_attention:
-        cc = ".".join(map(str, gpu.compute_capability))
-        raise UserError(f"FlashAttention-2 needs compute capability >= 8.0; {gpu.name} is sm {cc} "
-                        "(use --attn sdpa)")
 
 
 # -- one pipeline stage over the table -------------------------------------------------------------
@@ -340,6 +295,5 @@ def _per_layer_terms(spec: ModelSpec, w: Workload) -> dict[str, int]:
 
 
 def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
-    check_hardware(gpu, w)
-    check_support(spec, w)
+    constraints.check(spec, gpu, w)
     return report(spec, gpu, w, peak(spec, gpu, w))

@@ -6,10 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from memplan.estimator.rules import INFER_PRECISIONS, OPTIM_ALIASES, OPTIMIZERS, TRAIN_PRECISIONS
-
-# The optimizers memplan models under ZeRO (DeepSpeed's FusedAdam, DeepSpeedCPUAdam under offload) and FSDP.
-ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+from memplan.estimator.rules import OPTIM_ALIASES, OPTIMIZERS
+from memplan.inputs.constraints import workload_problem
 # transformers' attn_implementation names -> memplan's
 ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
                 "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash", "memplan": "memplan"}
@@ -82,53 +80,9 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Workload":
-        allowed = TRAIN_PRECISIONS if self.task == "train" else INFER_PRECISIONS
-        if self.precision not in allowed:
-            raise ValueError(f"precision {self.precision!r} is not valid for --task {self.task} "
-                             f"(choose from {', '.join(allowed)})")
-        if self.task == "infer" and self.grad_ckpt != "none":
-            raise ValueError("--grad-ckpt applies to training only")
-        if self.attn == "flash" and self.precision in ("fp32",):
-            raise ValueError("flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)")
-        world = self.gpus * self.nodes
-        if world % (self.tp * self.pp):
-            raise ValueError(f"--tp {self.tp} x --pp {self.pp} must divide the {world} GPUs")
-        if self.tp > self.gpus:
-            raise ValueError(f"--tp {self.tp} must stay inside a node of {self.gpus} GPUs")
-        if self.sp and self.tp == 1:
-            raise ValueError("--sp (sequence parallel) needs --tp > 1")
-        if self.vpp > 1 and self.pp == 1:
-            raise ValueError("--vpp (interleaved pipeline) needs --pp > 1")
-        if self.offload != "none" and self.zero == 0:
-            raise ValueError("--offload needs a DeepSpeed ZeRO stage (--zero 1, 2 or 3)")
-        if self.offload == "all" and self.zero != 3:
-            raise ValueError("--offload all (parameters too) needs --zero 3")
-        if self.zero and self.precision not in ("fp32", "fp16", "bf16"):
-            raise ValueError("DeepSpeed runs fp32, fp16 or bf16 (its own mixed precision); "
-                             f"not {self.precision}")
-        if self.zero and self.optim not in ADAM_OPTIMS:
-            raise ValueError(f"under ZeRO memplan plans DeepSpeed's Adam (FusedAdam / DeepSpeedCPUAdam): "
-                             f"--optim adamw, not {self.optim}")
-        if self.pp > 1 and self.zero > 1:
-            # deepspeed/runtime/pipe/engine.py asserts it
-            raise ValueError("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed); use --zero 0 or 1")
-        if self.fsdp != "none":
-            if self.zero or self.tp > 1 or self.pp > 1:
-                raise ValueError("--fsdp is pure data parallelism here: not with --zero, --tp or --pp")
-            if self.precision not in ("fp32", "fp16", "bf16"):
-                raise ValueError(f"FSDP mixed precision is fp16 or bf16 (or fp32), not {self.precision}")
-            if self.task == "infer":
-                raise ValueError("--fsdp applies to training")
-            if self.optim not in ADAM_OPTIMS:
-                raise ValueError(f"memplan models FSDP with AdamW (--optim adamw), not {self.optim}")
-        if self.kernels and (self.task == "infer" or self.tp > 1):
-            raise ValueError("--kernels (the fused loss) is for training without tensor parallelism")
-        if self.tiled_mlp and (self.task == "infer" or self.tp > 1):
-            raise ValueError("--tiled-mlp is for training without tensor parallelism")
-        if self.zero and self.task == "infer":
-            raise ValueError("--zero applies to training")
-        if (self.pp > 1 or self.tp > 1) and self.task == "infer":
-            raise ValueError("--tp / --pp apply to training (tensor-parallel inference is not modelled yet)")
+        problem = workload_problem(self)  # the workload-only entries of the constraints table
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.inputs.workload import Workload
+from memplan.search.cost import StepTime, Throughput
 
 
 class Candidate(NamedTuple):
@@ -16,14 +17,29 @@ class Candidate(NamedTuple):
     m: int
     device_used: int
     headroom: int
-    samples_per_s: float
-    tokens_per_s: float
-    mfu: float
-    step: object  # cost.StepTime
+    speed: Throughput
+    cell: tuple | None = None  # (table, row, column) of the step table that evaluated it (training)
 
     @property
     def w(self) -> Workload:
         return self.base.model_copy(update={"micro_batch": self.mb, "grad_accum": self.m})
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.speed.samples_per_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.speed.tokens_per_s
+
+    @property
+    def mfu(self) -> float:
+        return self.speed.mfu
+
+    @property
+    def step(self) -> StepTime | None:
+        """Seconds by cost term (None for inference)."""
+        return self.speed.terms
 
 
 def speed_key(samples_per_s: float) -> float:

@@ -445,7 +445,7 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     work.update({k: v for k, v in given.items() if v is not None})
     if work.get("task", "train") != "train":
         raise UserError("verify runs training steps; --task infer is not verified yet")
-    spec, prof = api._spec(model, head, trust_remote_code), api._gpu(gpu)
+    spec, prof = api.resolve_spec(model, head, trust_remote_code), api.resolve_gpu(gpu)
     work.setdefault("seq_len", default_seq_len(spec, "train"))
     est = api.estimate(spec, prof, **work)
     w = est.workload

@@ -1,0 +1,292 @@
+"""Which settings combine: one table of constraints that Workload validation, `estimate`, the search's
+enumerator and the tests all read.
+
+Each entry says when a configuration is INVALID (a predicate over the workload, and where it needs them
+the model and the GPU), the one line the user sees, the Workload fields the predicate reads (so the
+search can test it as soon as those are set, and never builds a candidate it refuses) and an example of a
+configuration it refuses (tests parametrize over the table).
+
+Entries that need only the workload are checked when a Workload is built; those that need the model or
+the GPU by `check` (estimate) and by the search for every candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from memplan.errors import UserError
+from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
+from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
+
+if TYPE_CHECKING:
+    from memplan.inputs.modelspec import ModelSpec
+    from memplan.inputs.profiles import GPUProfile
+
+# The optimizers memplan models under ZeRO (DeepSpeed's FusedAdam, DeepSpeedCPUAdam under offload) and FSDP.
+ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# The precisions DeepSpeed's and FSDP's own mixed precision run (no pure-bf16 mode there).
+SHARDED_PRECISIONS = ("fp32", "fp16", "bf16")
+# The fields that vary per cell of the search's table (micro batch x accumulation), not per candidate.
+BATCH_FIELDS = frozenset({"micro_batch", "grad_accum"})
+
+# A predicate or a message: (workload or any object with its field names, ModelSpec, GPUProfile).
+Rule = Callable[[Any, "ModelSpec | None", "GPUProfile | None"], Any]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    name: str
+    needs: Literal["workload", "gpu", "model"]
+    reads: frozenset[str]  # the Workload fields `invalid` reads
+    invalid: Rule  # True: the configuration is refused
+    message: Rule | str  # the one line the user sees
+    example: dict[str, Any] = field(default_factory=dict)  # Workload keyword arguments it refuses
+    model: str = "gpt2"  # the model and GPU of the example
+    gpu: str = "a100-80g"
+
+    def text(self, w: Any, spec: ModelSpec | None = None, gpu: GPUProfile | None = None) -> str:
+        return self.message if isinstance(self.message, str) else self.message(w, spec, gpu)
+
+
+def _c(name: str, needs: str, reads: str, invalid: Rule, message: Rule | str, example: dict, **where: str) -> Constraint:
+    return Constraint(name, needs, frozenset(reads.split()), invalid, message, example, **where)  # type: ignore[arg-type]
+
+
+# -- the model facts (attention implementations, kernel support) ----------------------------------------
+
+
+def _precisions(task: str) -> tuple[str, ...]:
+    return TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS
+
+
+def _cc(gpu: GPUProfile) -> str:
+    return ".".join(map(str, gpu.compute_capability))
+
+
+TABLE: tuple[Constraint, ...] = (
+    # -- the workload alone (Workload validation); first violation wins, in this order -------------------
+    _c("precision-for-task", "workload", "task precision",
+       lambda w, m, g: w.precision not in _precisions(w.task),
+       lambda w, m, g: f"precision {w.precision!r} is not valid for --task {w.task} "
+                       f"(choose from {', '.join(_precisions(w.task))})",
+       {"precision": "int8"}),
+    _c("checkpointing-trains", "workload", "task grad_ckpt",
+       lambda w, m, g: w.task == "infer" and w.grad_ckpt != "none",
+       "--grad-ckpt applies to training only", {"task": "infer", "precision": "fp16", "grad_ckpt": "full"}),
+    _c("flash-needs-half", "workload", "attn precision",
+       lambda w, m, g: w.attn == "flash" and w.precision == "fp32",
+       "flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)", {"attn": "flash"}),
+    _c("tp-pp-divide-world", "workload", "gpus nodes tp pp",
+       lambda w, m, g: (w.gpus * w.nodes) % (w.tp * w.pp) != 0,
+       lambda w, m, g: f"--tp {w.tp} x --pp {w.pp} must divide the {w.gpus * w.nodes} GPUs",
+       {"gpus": 4, "pp": 3}),
+    _c("tp-inside-node", "workload", "tp gpus",
+       lambda w, m, g: w.tp > w.gpus,
+       lambda w, m, g: f"--tp {w.tp} must stay inside a node of {w.gpus} GPUs", {"gpus": 2, "nodes": 2, "tp": 4}),
+    _c("sp-needs-tp", "workload", "sp tp",
+       lambda w, m, g: w.sp and w.tp == 1, "--sp (sequence parallel) needs --tp > 1", {"sp": True}),
+    _c("vpp-needs-pp", "workload", "vpp pp",
+       lambda w, m, g: w.vpp > 1 and w.pp == 1, "--vpp (interleaved pipeline) needs --pp > 1", {"vpp": 2}),
+    _c("offload-needs-zero", "workload", "offload zero",
+       lambda w, m, g: w.offload != "none" and w.zero == 0,
+       "--offload needs a DeepSpeed ZeRO stage (--zero 1, 2 or 3)", {"offload": "optimizer"}),
+    _c("offload-all-needs-zero3", "workload", "offload zero",
+       lambda w, m, g: w.offload == "all" and w.zero != 3,
+       "--offload all (parameters too) needs --zero 3", {"offload": "all", "zero": 2}),
+    _c("zero-precision", "workload", "zero precision",
+       lambda w, m, g: w.zero > 0 and w.precision not in SHARDED_PRECISIONS,
+       lambda w, m, g: f"DeepSpeed runs fp32, fp16 or bf16 (its own mixed precision); not {w.precision}",
+       {"zero": 1, "precision": "bf16-pure"}),
+    _c("zero-adam", "workload", "zero optim",
+       lambda w, m, g: w.zero > 0 and w.optim not in ADAM_OPTIMS,
+       lambda w, m, g: "under ZeRO memplan plans DeepSpeed's Adam (FusedAdam / DeepSpeedCPUAdam): "
+                       f"--optim adamw, not {w.optim}",
+       {"zero": 2, "optim": "adafactor"}),
+    # deepspeed/runtime/pipe/engine.py asserts it
+    _c("pipeline-zero01", "workload", "pp zero",
+       lambda w, m, g: w.pp > 1 and w.zero > 1,
+       "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed); use --zero 0 or 1",
+       {"gpus": 2, "pp": 2, "zero": 2, "grad_accum": 2}),
+    _c("fsdp-pure-dp", "workload", "fsdp zero tp pp",
+       lambda w, m, g: w.fsdp != "none" and (w.zero > 0 or w.tp > 1 or w.pp > 1),
+       "--fsdp is pure data parallelism here: not with --zero, --tp or --pp",
+       {"gpus": 2, "fsdp": "full-shard", "zero": 1}),
+    _c("fsdp-precision", "workload", "fsdp precision",
+       lambda w, m, g: w.fsdp != "none" and w.precision not in SHARDED_PRECISIONS,
+       lambda w, m, g: f"FSDP mixed precision is fp16 or bf16 (or fp32), not {w.precision}",
+       {"gpus": 2, "fsdp": "full-shard", "precision": "bf16-pure"}),
+    _c("fsdp-trains", "workload", "fsdp task",
+       lambda w, m, g: w.fsdp != "none" and w.task == "infer",
+       "--fsdp applies to training", {"gpus": 2, "fsdp": "full-shard", "task": "infer", "precision": "fp16"}),
+    _c("fsdp-adam", "workload", "fsdp optim",
+       lambda w, m, g: w.fsdp != "none" and w.optim not in ADAM_OPTIMS,
+       lambda w, m, g: f"memplan models FSDP with AdamW (--optim adamw), not {w.optim}",
+       {"gpus": 2, "fsdp": "shard-grad-op", "optim": "sgd"}),
+    _c("kernels-train-no-tp", "workload", "kernels task tp",
+       lambda w, m, g: w.kernels and (w.task == "infer" or w.tp > 1),
+       "--kernels (the fused loss) is for training without tensor parallelism",
+       {"gpus": 2, "tp": 2, "kernels": True}),
+    _c("tiled-mlp-train-no-tp", "workload", "tiled_mlp task tp",
+       lambda w, m, g: w.tiled_mlp and (w.task == "infer" or w.tp > 1),
+       "--tiled-mlp is for training without tensor parallelism", {"gpus": 2, "tp": 2, "tiled_mlp": True}),
+    _c("zero-trains", "workload", "zero task",
+       lambda w, m, g: w.zero > 0 and w.task == "infer",
+       "--zero applies to training", {"zero": 1, "task": "infer", "precision": "fp16"}),
+    _c("tp-pp-train", "workload", "tp pp task",
+       lambda w, m, g: (w.pp > 1 or w.tp > 1) and w.task == "infer",
+       "--tp / --pp apply to training (tensor-parallel inference is not modelled yet)",
+       {"gpus": 2, "tp": 2, "task": "infer", "precision": "fp16"}),
+    # the interleaved 1F1B schedule runs the micro batches in groups of pp (Narayanan et al. 2021;
+    # Megatron-LM asserts num_microbatches % pipeline_model_parallel_size == 0 when interleaving)
+    _c("vpp-micro-batches", "workload", "vpp pp grad_accum",
+       lambda w, m, g: w.vpp > 1 and w.grad_accum % w.pp != 0,
+       lambda w, m, g: f"--vpp {w.vpp} (interleaved pipeline) needs the accumulation steps ({w.grad_accum}) "
+                       f"to be a multiple of --pp {w.pp}",
+       {"gpus": 2, "pp": 2, "vpp": 2, "grad_accum": 3}),
+    # -- the hardware ---------------------------------------------------------------------------------
+    _c("bf16-needs-sm80", "gpu", "precision",
+       lambda w, m, g: "bf16" in w.precision and not g.bf16,
+       lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16 support (needs compute capability >= 8.0); "
+                       "use --precision fp16",
+       {"precision": "bf16"}, gpu="v100-16g"),
+    _c("flash-needs-sm80", "gpu", "attn",
+       lambda w, m, g: w.attn == "flash" and not g.flash_attention,
+       lambda w, m, g: f"FlashAttention-2 needs compute capability >= 8.0; {g.name} is sm {_cc(g)} "
+                       "(use --attn sdpa)",
+       {"attn": "flash", "precision": "fp16"}, gpu="v100-16g"),
+    # -- the model ------------------------------------------------------------------------------------
+    _c("attention-of-model", "model", "attn",
+       lambda w, m, g: w.attn not in supported_attn(m),
+       lambda w, m, g: f"transformers has no {w.attn} attention for {m.model_type} "
+                       f"(choose from {', '.join(supported_attn(m))})",
+       {"attn": "sdpa"}, model="gemma-2-2b"),
+    _c("memplan-attention-dropout", "model", "attn task",
+       lambda w, m, g: w.attn == "memplan" and w.task == "train" and m.attention_dropout > 0,
+       lambda w, m, g: f"--attn memplan has no attention dropout and {m.name}'s config has "
+                       f"{m.attention_dropout:g}: set the config's attention dropout to 0, or choose another --attn",
+       {"attn": "memplan"}),
+    # AutoTP / Megatron split the attention heads and the KV heads: both must divide
+    _c("tp-divides-heads", "model", "tp",
+       lambda w, m, g: w.tp > 1 and (m.num_heads % w.tp != 0 or m.num_kv_heads % w.tp != 0),
+       lambda w, m, g: f"--tp {w.tp} must divide {m.name}'s {m.num_heads} attention heads and "
+                       f"{m.num_kv_heads} KV heads",
+       {"gpus": 8, "tp": 8}),
+    _c("pp-within-layers", "model", "pp",
+       lambda w, m, g: w.pp > m.total_layers,
+       lambda w, m, g: f"--pp {w.pp} exceeds {m.name}'s {m.total_layers} layers",
+       {"gpus": 16, "pp": 16, "grad_accum": 16}),
+    _c("tiled-mlp-of-model", "model", "tiled_mlp",
+       lambda w, m, g: w.tiled_mlp and not tiled_mlp_supported(m),
+       lambda w, m, g: f"--tiled-mlp: memplan.kernels.apply tiles the dense MLPs of "
+                       f"{', '.join(model_types(lambda f: f.tiled_mlp))}; "
+                       f"not {m.model_type}{' (mixture of experts)' if m.is_moe else ''}",
+       {"tiled_mlp": True}, model="t5-small"),
+    _c("kernels-of-model", "model", "kernels",
+       lambda w, m, g: w.kernels and not fused_loss_supported(m),
+       lambda w, m, g: f"--kernels: the fused loss patches the causal LMs of "
+                       f"{', '.join(model_types(lambda f: f.fused_loss_causal_base))} "
+                       f"and the masked LMs of {', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; "
+                       f"not {m.model_type} ({m.head})",
+       {"kernels": True}, model="t5-small"),
+    _c("generation-needs-decoder", "model", "max_new_tokens",
+       lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
+       lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",
+       {"task": "infer", "precision": "fp16", "max_new_tokens": 8}, model="bert-base"),
+    # each virtual stage holds layers / (pp * vpp) whole layers (Megatron-LM asserts the division)
+    _c("vpp-divides-layers", "model", "pp vpp",
+       lambda w, m, g: w.vpp > 1 and m.total_layers % (w.pp * w.vpp) != 0,
+       lambda w, m, g: f"--pp {w.pp} x --vpp {w.vpp} must divide {m.name}'s {m.total_layers} layers",
+       {"gpus": 8, "pp": 8, "vpp": 2, "grad_accum": 8}),
+)
+
+WORKLOAD = tuple(c for c in TABLE if c.needs == "workload")
+MODEL_AND_GPU = tuple(c for c in TABLE if c.needs != "workload")
+
+
+def first_violation(w: Any, spec: ModelSpec | None = None, gpu: GPUProfile | None = None,
+                    entries: Sequence[Constraint] = TABLE) -> Constraint | None:
+    """The first entry that refuses `w` (anything with the Workload's field names)."""
+    for c in entries:  # a plain loop: the search asks this about every candidate
+        if c.invalid(w, spec, gpu):
+            return c
+    return None
+
+
+def workload_problem(w: Any) -> str | None:
+    """The message of the first workload-only entry that refuses `w` (Workload validation)."""
+    c = first_violation(w, entries=WORKLOAD)
+    return None if c is None else c.text(w)
+
+
+def check(spec: ModelSpec, gpu: GPUProfile, w: Any) -> None:
+    """Refuse what the GPU or the model cannot run, with the reason (the workload alone was checked when
+    it was built)."""
+    c = first_violation(w, spec, gpu, MODEL_AND_GPU)
+    if c is not None:
+        raise UserError(c.text(w, spec, gpu))
+
+
+class Draft(dict):
+    """A partial workload: the fields set so far, read as attributes (a predicate that reads a field it
+    does not declare fails here with KeyError instead of passing silently)."""
+
+    __getattr__ = dict.__getitem__
+
+
+Axis = tuple[str | tuple[str, ...], Sequence[Any]]  # a field (or fields set together) and its values
+
+
+def assignments(fixed: dict[str, Any], axes: Sequence[Axis], spec: ModelSpec,
+                gpu: GPUProfile) -> Iterator[dict[str, Any]]:
+    """Every assignment of `axes` (in order) on top of `fixed` that no entry refuses. Each entry is
+    tested as soon as every field it reads is set, so a refused prefix is not expanded; entries that
+    read a field neither fixed nor in the axes are left to the caller."""
+    names = [(a,) if isinstance(a, str) else a for a, _ in axes]
+    known = set(fixed)
+    todo = list(TABLE)
+    stages = []  # stages[i]: the entries whose fields are all set once the first i axes are
+    for fields in [()] + names:
+        known.update(fields)
+        stages.append([c for c in todo if c.reads <= known])
+        todo = [c for c in todo if not c.reads <= known]
+    draft = Draft(fixed)
+    if first_violation(draft, spec, gpu, stages[0]) is None:
+        yield from _expand(draft, [(n, v) for n, (_, v) in zip(names, axes)], stages[1:], spec, gpu)
+
+
+def _expand(draft: Draft, axes: list, stages: list, spec, gpu) -> Iterator[dict[str, Any]]:
+    if not axes:
+        yield dict(draft)
+        return
+    (names, values), checks = axes[0], stages[0]
+    for v in values:
+        draft.update(zip(names, v if len(names) > 1 else (v,)))
+        if first_violation(draft, spec, gpu, checks) is None:
+            yield from _expand(draft, axes[1:], stages[1:], spec, gpu)
+    for n in names:
+        del draft[n]
+
+
+def allowed(fixed: dict[str, Any], name: str, values: Sequence[Any], spec: ModelSpec, gpu: GPUProfile) -> list:
+    """The values of one field that no entry reading it (and otherwise only fields in `fixed`) refuses."""
+    entries = [c for c in TABLE if name in c.reads and c.reads <= fixed.keys() | {name}]
+    return [v for v in values if first_violation(Draft(fixed, **{name: v}), spec, gpu, entries) is None]
+
+
+def batch_allowed(bases: Sequence[Any], mbs: Sequence[int], per_rank: int, spec: ModelSpec,
+                  gpu: GPUProfile) -> list[list[bool]]:
+    """For each candidate and micro batch (accumulation per_rank // mb): whether the entries that read
+    the micro batch or the accumulation allow it."""
+    entries = [c for c in TABLE if c.reads & BATCH_FIELDS]
+    reads = sorted(set().union(*(c.reads for c in entries)) - BATCH_FIELDS)
+    seen: dict[tuple, list[bool]] = {}
+    out = []
+    for w in bases:
+        values = tuple(getattr(w, f) for f in reads)
+        if values not in seen:
+            seen[values] = [first_violation(Draft(zip(reads, values), micro_batch=mb, grad_accum=per_rank // mb),
+                                            spec, gpu, entries) is None for mb in mbs]
+        out.append(seen[values])
+    return out

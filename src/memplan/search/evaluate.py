@@ -1,0 +1,101 @@
+"""Evaluating a space: every candidate's memory and step time (one step table per layout: the estimator
+and the cost model over arrays), and the Plan documents of the few that are shown, read from the cells
+that evaluated them.
+
+The only calls into the estimator the search makes are here: step.evaluate, step.cell_peak, step.peak
+(inference) and step.report."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memplan.estimator.step import cell_peak, evaluate, peak, report
+from memplan.inputs import constraints
+from memplan.inputs.workload import Workload
+from memplan.search.cost import StepTime, flops_per_token, inference_throughput, peak_tflops, rates
+from memplan.search.plan import Plan
+from memplan.search.rank import Candidate
+from memplan.search.request import SearchRequest
+from memplan.search.space import Space, bases, divisors, layouts
+
+
+class Found(NamedTuple):
+    candidates: list[Candidate]  # every candidate that fits
+    evaluated: int  # how many were evaluated (all of them: one table per layout)
+
+
+def search_pass(req: SearchRequest, sp: Space, notes: list[str] | None = None) -> Found:
+    """Every fitting candidate of the space (notes: where to say which layouts the batch rules out)."""
+    found: list[Candidate] = []
+    n = 0
+    for tp, pp, dp in layouts(req, sp, [] if notes is None else notes):
+        per_rank = sp.global_batch // dp
+        ws = bases(req, sp, tp, pp, dp)
+        if ws:
+            more, m = (_train if req.train else _infer)(req, sp, ws, per_rank)
+            found += more
+            n += m
+    return Found(found, n)
+
+
+def _usable(req: SearchRequest) -> int:
+    return int(req.gpu.memory_bytes * (1 - req.headroom))
+
+
+def _infer(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> Found:
+    spec, gpu, usable = req.spec, req.gpu, _usable(req)
+    found, mbs = [], divisors(per_rank)
+    for base in ws:
+        for mb in mbs:
+            w = base.model_copy(update={"micro_batch": mb, "grad_accum": per_rank // mb})
+            p = peak(spec, gpu, w)
+            if p.device_used <= usable:
+                thr = inference_throughput(spec, gpu, w, p.saved_activations, p.state_bytes)
+                found.append(Candidate(base, mb, per_rank // mb, p.device_used, usable - p.device_used, thr))
+    return Found(found, len(ws) * len(mbs))
+
+
+def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> Found:
+    """One table (candidates x micro batches) for the layout: memory and step time in numpy."""
+    import numpy as np
+
+    spec, gpu, usable = req.spec, req.gpu, _usable(req)
+    mbs = divisors(per_rank)
+    t = evaluate(spec, gpu, ws, mbs, per_rank)
+    valid = np.asarray(constraints.batch_allowed(ws, mbs, per_rank, spec, gpu), dtype=bool)
+    fits = valid & (t.device_used <= usable)
+    if req.cpu_mem is not None:
+        fits &= t.cpu_per_gpu * sp.gpus <= req.cpu_mem
+    seq_eff = spec.seq_positions if spec.arch == "vision" else sp.seq
+    flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp.attns for g in sp.ckpts}
+    model_f = [flops[(w.attn, w.grad_ckpt)] for w in ws]  # model FLOPs: no recompute
+    peak_tf = [peak_tflops(gpu, w.precision) for w in ws]
+    used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
+    found = []
+    rows, cols = np.nonzero(fits)
+    for b, k in zip(rows.tolist(), cols.tolist()):
+        w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
+        r = rates(w, mb, m, seq_eff, steps[b][k], model_f[b], peak_tf[b], StepTime(*terms[b][k]))
+        found.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
+    return Found(found, int(valid.sum()))
+
+
+def plan(req: SearchRequest, c: Candidate) -> Plan:
+    """The Plan document of a candidate: its estimate (read from its table cell), and its step time."""
+    w = c.w
+    st = c.step
+    return Plan(workload=w, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
+                estimate=report(req.spec, req.gpu, w, _peak(req, c)),
+                step_seconds=st.total if st else 0.0, step_terms=st._asdict() if st else {})
+
+
+def host_ram(req: SearchRequest, c: Candidate) -> int:
+    """Host RAM that offload pins per node for the candidate."""
+    return _peak(req, c).cpu_per_gpu * c.w.gpus
+
+
+def _peak(req: SearchRequest, c: Candidate):
+    if c.cell is None:  # inference: one configuration
+        return peak(req.spec, req.gpu, c.w)
+    t, b, k = c.cell
+    return cell_peak(req.spec, req.gpu, t, c.w, b, k)

@@ -1,0 +1,201 @@
+"""The search space of a request: the values of every knob (memplan's defaults said out loud), the
+layouts over the GPUs, and every candidate of a layout that the constraints table allows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from memplan.errors import UserError
+from memplan.estimator.rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
+from memplan.estimator.families import fused_loss_supported, supported_attn, tiled_mlp_supported
+from memplan.inputs import constraints
+from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.profiles import GPUProfile
+from memplan.inputs.workload import Workload, canonical_optim
+from memplan.search.request import SearchRequest
+
+DEFAULT_GLOBAL_BATCH = 32
+ATTNS = ("flash", "sdpa", "eager", "memplan")
+CKPTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "all")
+ZEROS = ("0", "1", "2", "3")
+FSDPS = ("none", "full-shard", "shard-grad-op", "hybrid-shard")
+
+
+# suggest's knob options (Workload fields) -> the Space list of their values
+KNOBS = {"precision": "precisions", "optim": "optims", "grad_ckpt": "ckpts", "attn": "attns", "tp": "tps", "pp": "pps",
+         "zero": "zeros", "offload": "offloads", "sp": "sps", "vpp": "vpps", "fsdp": "fsdps", "kernels": "kernels",
+         "tiled_mlp": "tiled"}
+
+
+class Space(NamedTuple):
+    seq: int
+    global_batch: int
+    gpus: int
+    nodes: int
+    precisions: list[str]
+    optims: list[str]
+    ckpts: list[str]
+    attns: list[str]
+    tps: list[int]
+    pps: list[int]
+    zeros: list[int]
+    offloads: list[str]
+    sps: list[bool]
+    vpps: list[int]
+    fsdps: list[str]
+    kernels: list[bool]
+    tiled: list[bool]
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+def default_seq_len(spec: ModelSpec, task: str) -> int:
+    if spec.arch == "vision":
+        return spec.seq_positions
+    cap = 2048 if spec.arch == "decoder" else 512
+    return min(spec.max_position or cap, cap)
+
+
+def best_mixed_precision(gpu: GPUProfile, task: str) -> str:
+    if task == "infer":
+        return "bf16-pure" if gpu.bf16 else "fp16-pure"
+    return "bf16" if gpu.bf16 else "fp16"
+
+
+def supported_precisions(gpu: GPUProfile, task: str) -> list[str]:
+    return [p for p in (TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS) if gpu.bf16 or "bf16" not in p]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x) -> list[str]:
+    if value is None:
+        return default
+    if str(value).strip().lower() == "any":
+        return list(every)
+    out = []
+    for item in str(value).split(","):
+        item = canon(item.strip().lower())
+        if item not in every:
+            raise UserError(f"unknown {what} {item!r} (choose from {', '.join(every)}, or 'any')")
+        out.append(item)
+    return out
+
+
+def _parse_ints(value, every: list[int], what: str) -> list[int]:
+    if value is None or str(value).strip().lower() == "any":
+        return every
+    out = []
+    for item in str(value).split(","):
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise UserError(f"--{what}: expected a number, a comma list or 'any', got {item!r}") from None
+        if out[-1] < 1:
+            raise UserError(f"--{what}: a degree is at least 1, got {item!r}")
+    return out
+
+
+def defaults(req: SearchRequest) -> list[str]:
+    """The defaults memplan chooses for what the request leaves open, said out loud."""
+    out = []
+    if req.seq_len is None:
+        out.append(f"seq-len {default_seq_len(req.spec, req.task)} "
+                   f"({'image patches + CLS' if req.spec.arch == 'vision' else 'model maximum, capped'})")
+    if req.global_batch is None:
+        out.append(f"global batch {DEFAULT_GLOBAL_BATCH} sequences")
+    if req.precision is None:
+        out.append(f"precision {best_mixed_precision(req.gpu, req.task)} (best mixed precision {req.gpu.name} supports)")
+    if req.train and req.optim is None:
+        out.append("optimizer adamw_torch_fused (HF Trainer's default)")
+    return out
+
+
+def space(req: SearchRequest) -> Space:
+    """Every value of every knob the search tries. A UserError for a value that does not parse, or for
+    values the user named that the constraints table refuses (as estimate would), rather than a search
+    where nothing fits."""
+    sp = _values(req)
+    named = constraints.Draft(task=req.task, gpus=req.gpus, nodes=req.nodes)
+    named |= {k: getattr(sp, v)[0] for k, v in KNOBS.items() if getattr(req, k) is not None and len(getattr(sp, v)) == 1}
+    c = constraints.first_violation(named, req.spec, req.gpu, [c for c in constraints.TABLE if c.reads <= named.keys()])
+    if c is not None:
+        raise UserError(c.text(named, req.spec, req.gpu))
+    return sp
+
+
+def _values(req: SearchRequest) -> Space:
+    spec, gpu, train, world = req.spec, req.gpu, req.train, req.gpus * req.nodes
+    # memplan's tiled attention saves what SDPA and FlashAttention-2 save: searched when asked (--attn)
+    attns = [a for a in supported_attn(spec) if (a != "flash" or gpu.flash_attention) and a != "memplan"]
+    # the fused loss and the tiled MLP are searched on one GPU where memplan.kernels.apply can patch the
+    # model (the logits weigh most there; the tiled MLP costs an MLP forward, so it pays only where memory
+    # is short); over several GPUs when asked, to keep the search fast
+    alone = train and world == 1
+    return Space(
+        seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or DEFAULT_GLOBAL_BATCH,
+        gpus=req.gpus, nodes=req.nodes,
+        precisions=_parse_choice(req.precision, supported_precisions(gpu, req.task),
+                                 [best_mixed_precision(gpu, req.task)], "precision"),
+        optims=_parse_choice(req.optim, list(OPTIMIZERS), ["adamw_torch_fused"], "optimizer", canonical_optim)
+        if train else ["adamw_torch_fused"],
+        ckpts=_parse_choice(req.grad_ckpt, CKPTS, list(CKPTS) if train else ["none"], "checkpointing"),
+        attns=_parse_choice(req.attn, ATTNS, attns, "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a)),
+        tps=_parse_ints(req.tp, divisors(req.gpus) if train else [1], "tp"),
+        pps=_parse_ints(req.pp, divisors(world) if train else [1], "pp"),
+        zeros=[int(z) for z in _parse_choice(req.zero, ZEROS, list(ZEROS) if train and req.fsdp is None else ["0"],
+                                             "zero")],
+        offloads=_parse_choice(req.offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
+        sps=[s == "on" for s in _parse_choice(req.sp, ("off", "on"), ["off", "on"], "sp")],
+        vpps=_parse_ints(req.vpp, [1, 2], "vpp"),
+        # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
+        fsdps=_parse_choice(req.fsdp, FSDPS, list(FSDPS) if train and req.zero is None and world > 1 else ["none"],
+                            "fsdp"),
+        kernels=[req.kernels] if req.kernels is not None else
+        ([False, True] if alone and fused_loss_supported(spec) else [False]),
+        tiled=[req.tiled_mlp] if req.tiled_mlp is not None else
+        ([False, True] if alone and tiled_mlp_supported(spec) else [False]),
+    )
+
+
+def layouts(req: SearchRequest, sp: Space, notes: list[str]) -> Iterator[tuple[int, int, int]]:
+    """(tp, pp, dp) over the GPUs that the constraints allow (TP inside a node dividing the heads, PP
+    over the layers, ...), with a data-parallel degree that divides the global batch."""
+    fixed = dict(req.common(), gpus=sp.gpus, nodes=sp.nodes, seq_len=sp.seq)
+    skipped = []
+    for a in constraints.assignments(fixed, [("tp", sp.tps), ("pp", sp.pps)], req.spec, req.gpu):
+        dp = sp.world // (a["tp"] * a["pp"])
+        if sp.global_batch % dp:
+            skipped.append(f"tp {a['tp']} x pp {a['pp']} (dp {dp})")
+            continue
+        yield a["tp"], a["pp"], dp
+    if skipped:
+        notes.append(f"global batch {sp.global_batch} is not divisible by the data-parallel degree of: "
+                     f"{', '.join(skipped[:4])}" + (" ..." if len(skipped) > 4 else ""))
+
+
+def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Workload]:
+    """Every setting of the knobs other than the micro batch that the constraints allow, on one layout
+    (micro batch 1, the whole per-rank batch accumulated)."""
+    spec, gpu = req.spec, req.gpu
+    fixed = dict(req.common(), micro_batch=1, seq_len=sp.seq, grad_accum=sp.global_batch // dp, gpus=sp.gpus,
+                 nodes=sp.nodes, tp=tp, pp=pp)
+    shardings = [(z, "none") for z in sp.zeros]
+    if dp > 1:  # FSDP over one GPU shards nothing; hybrid-shard inside one node is full-shard
+        shardings += [(0, f) for f in sp.fsdps if f != "none" and (f != "hybrid-shard" or sp.nodes > 1)]
+    # a knob asked for applies where it can: where the layout refuses every asked value, it is off
+    # (SP without TP, an interleaved schedule without a pipeline, the fused loss under TP)
+    def where_possible(name: str, values: list, off) -> list:
+        return constraints.allowed(fixed, name, values, spec, gpu) or [off]
+
+    axes = [(("zero", "fsdp"), shardings), ("offload", sp.offloads), ("sp", where_possible("sp", sp.sps, False)),
+            ("vpp", where_possible("vpp", sp.vpps, 1)), ("precision", sp.precisions), ("optim", sp.optims),
+            ("grad_ckpt", sp.ckpts), ("attn", sp.attns), ("kernels", where_possible("kernels", sp.kernels, False)),
+            ("tiled_mlp", where_possible("tiled_mlp", sp.tiled, False))]
+    return [Workload(**a) for a in constraints.assignments(fixed, axes, spec, gpu)]
