@@ -1,6 +1,9 @@
 """Inputs and a forward + backward runner shared by the fused-loss tests (PyTorch and Triton paths)."""
 
 import torch
+from hypothesis import strategies as st
+
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def run(fn, h, w, t, g=None, **kw):
@@ -37,3 +40,10 @@ def bias_for(vocab, dtype, seed=0, device="cpu"):
     """A bias of a size like a trained head's (a few units), so it moves the softmax noticeably."""
     gen = torch.Generator().manual_seed(seed + 7)
     return (torch.randn(vocab, generator=gen) * 2.0).to(dtype).to(device)
+
+
+def tokens_and_reduction(max_tokens: int):
+    """(token count, reduction) that `data` makes well defined: it ignores every fifth token from the first,
+    so one token alone is ignored and its mean is 0 / 0 (test_all_ignored's case), not a comparison."""
+    return st.sampled_from(REDUCTIONS).flatmap(
+        lambda r: st.tuples(st.integers(2 if r == "mean" else 1, max_tokens), st.just(r)))

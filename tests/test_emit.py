@@ -4,8 +4,6 @@ DeepSpeedConfig at the plan's world size, accelerate's config file loader and la
 import dataclasses
 import enum
 import json
-import subprocess
-import sys
 import types
 import typing
 
@@ -200,11 +198,8 @@ def test_accelerate_config_loads(kind, tmp_path):
         assert doc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True)
-
-
-def test_cli_emit_writes_files_atomically_and_never_overwrites(tmp_path):
+def test_cli_emit_writes_files_atomically_and_never_overwrites(tmp_path, memplan_cli):
+    run = memplan_cli
     out = tmp_path / "out"
     r = run("suggest", "--model", "bert-large", "--gpu", "v100-16g", "--emit", "all", "-o", str(out))
     assert r.returncode == 0, r.stderr
@@ -223,11 +218,11 @@ def test_cli_emit_writes_files_atomically_and_never_overwrites(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [(), ("--tp", "1", "--pp", "1")])
-def test_cli_emit_deepspeed_must_show(extra, tmp_path, monkeypatch):
+def test_cli_emit_deepspeed_must_show(extra, tmp_path, monkeypatch, memplan_cli):
     """The issue's command. memplan may choose AutoTP (tp 2 x dp 4): DeepSpeed then counts the 4
     data-parallel ranks in train_batch_size; with --tp 1 the plan is ZeRO over all 8."""
     out = tmp_path / "out"
-    r = run("suggest", "--model", "llama-3.1-8b", "--gpu", "a100-40g", "--gpus", "8", "--emit", "deepspeed", "-o",
+    r = memplan_cli("suggest", "--model", "llama-3.1-8b", "--gpu", "a100-40g", "--gpus", "8", "--emit", "deepspeed", "-o",
             str(out), *extra)
     assert r.returncode == 0, r.stderr
     cfg = json.loads((out / "ds_config.json").read_text())

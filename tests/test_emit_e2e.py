@@ -3,6 +3,7 @@ the HF Trainer and by DeepSpeed's engine on its CPU accelerator."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,21 +23,20 @@ def tiny(tmp_path):
     return d
 
 
-def emit(model_dir, out, *extra):
-    r = subprocess.run([sys.executable, "-m", "memplan", "suggest", "--model", str(model_dir / "config.json"),
-                        "--gpu", "a100-80g", "--seq-len", "32", "--batch-size", "4", "--precision", "fp32",
-                        "--optim", "adamw_torch", "--emit", "all", "-o", str(out), *extra],
-                       capture_output=True, text=True)
+def emit(memplan_cli, model_dir, out, *extra):
+    r = memplan_cli("suggest", "--model", model_dir / "config.json", "--gpu", "a100-80g", "--seq-len", "32",
+                    "--batch-size", "4", "--precision", "fp32", "--optim", "adamw_torch", "--emit", "all", "-o", out,
+                    *extra)
     assert r.returncode == 0, r.stderr
     return json.loads((out / "plan.json").read_text())["plan"]
 
 
-def test_trainer_trains_two_steps_with_emitted_arguments(tiny, tmp_path):
+def test_trainer_trains_two_steps_with_emitted_arguments(tiny, tmp_path, memplan_cli):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     out = tmp_path / "emitted"
-    plan = emit(tiny, out)
+    plan = emit(memplan_cli, tiny, out)
     kw = json.loads((out / "training_args.json").read_text())
     # the emitted arguments as they are, plus what a CPU test run needs: the CPU, two steps, no saving
     args = TrainingArguments(**dict(kw, output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2,
@@ -76,13 +76,16 @@ DEEPSPEED_RUN = textwrap.dedent("""
 """)
 
 
-def test_deepspeed_engine_trains_two_steps_with_emitted_config(tiny, tmp_path):
+def test_deepspeed_engine_trains_two_steps_with_emitted_config(tiny, tmp_path, memplan_cli):
     pytest.importorskip("deepspeed")
     out = tmp_path / "emitted"
-    emit(tiny, out, "--zero", "1")
+    emit(memplan_cli, tiny, out, "--zero", "1")
     cfg = out / "ds_config.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    r = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(cfg), json.dumps(TINY), "29531"],
+    with socket.socket() as free:  # a port no other run on this machine holds (a fixed one collides)
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    r = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(cfg), json.dumps(TINY), port],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "steps 2" in r.stdout

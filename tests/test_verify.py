@@ -3,8 +3,6 @@ analytic estimate; bad inputs are one line and exit 2."""
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,36 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = json.loads((ROOT / "benchmarks/accuracy/cases.json").read_text())
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True)
+FAST = [c for c in CASES["cases"] if c.get("fast")]
+# the issue's must-show plan (bert-base b2 s128, fp32, sdpa): also one of the accuracy suite's fast cases
+MUST_SHOW = next(c for c in FAST if (c["model"], c["micro_batch"], c["seq_len"]) == ("bert-base", 2, 128))
 
 
-def test_fake_and_cpu_agree_and_match_the_estimate():
+def _accuracy_suite():
+    spec = importlib.util.spec_from_file_location("accuracy_run", ROOT / "benchmarks/accuracy/run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def verify_case():
+    """The accuracy suite's verify of one case on a device, each (case, device) run once for the module:
+    the must-show test and the fast subset share the fake trace of the must-show plan."""
+    suite, done = _accuracy_suite(), {}
+
+    def verify(case: dict, device: str):
+        key = json.dumps([case, device], sort_keys=True)
+        if key not in done:
+            done[key] = suite.verify_case(case, CASES["gpu"], CASES["steps"], device)
+        return done[key]
+
+    return verify
+
+
+def test_fake_and_cpu_agree_and_match_the_estimate(verify_case):
     """The issue's must-show: bert-base b2 s128, cpu vs fake within 2 %, the estimate within 5 % of both."""
-    fake = run(model="bert-base", gpu=None, device="fake", steps=2, micro_batch=2, seq_len=128)
-    cpu = run(model="bert-base", gpu=None, device="cpu", steps=2, micro_batch=2, seq_len=128)
+    fake, cpu = verify_case(MUST_SHOW, "fake"), verify_case(MUST_SHOW, "cpu")
     f, c = fake.meters[0].measured_bytes, cpu.meters[0].measured_bytes
     assert abs(f - c) / c <= 0.02
     assert abs(fake.meters[0].error_pct) <= 5 and abs(cpu.meters[0].error_pct) <= 5
@@ -46,42 +66,27 @@ def test_cpu_tracer_counts_real_allocations_like_the_fake_one():
         assert abs(fake.breakdown.get(k, 0) - real.breakdown.get(k, 0)) <= 0.01 * real.peak_allocated, k
 
 
-FAST = [c for c in CASES["cases"] if c.get("fast")]
-
-
-def _accuracy_suite():
-    spec = importlib.util.spec_from_file_location("accuracy_run", ROOT / "benchmarks/accuracy/run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("case", FAST, ids=lambda c: f"{Path(c['model']).stem}-{c['precision']}-{c['attn']}-{c['grad_ckpt']}")
-def test_accuracy_fast_subset(case):
+def test_accuracy_fast_subset(case, verify_case):
     """The accuracy suite's fast cases: estimate within 5 % of the fake tracer's peak allocated."""
-    rep = _accuracy_suite().verify_case(case, CASES["gpu"], CASES["steps"], "fake")
+    rep = verify_case(case, "fake")
     assert rep.device == "fake" and abs(rep.meters[0].error_pct) <= 5, rep.breakdown
 
 
-def test_verify_json_contract():
-    r = cli("verify", "--model", "bert-base", "--micro-batch", "1", "--seq-len", "64", "--device", "fake", "--json")
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    assert d["device"] == "fake" and [m["meter"] for m in d["meters"]] == ["peak_allocated", "peak_reserved",
-                                                                           "device_used"]
-    for m in d["meters"]:
-        assert m["verdict"] in ("ok", "close", "off") and m["measured_bytes"] > 0
-
-
-def test_verify_reads_a_suggest_plan(tmp_path):
+def test_verify_reads_a_suggest_plan_and_keeps_the_json_contract(tmp_path, memplan_cli):
     plan = tmp_path / "plan.json"
-    r = cli("suggest", "--model", "bert-base", "--gpu", "a100-80g", "--seq-len", "128", "--json")
+    r = memplan_cli("suggest", "--model", "bert-base", "--gpu", "a100-80g", "--seq-len", "128", "--json")
+    assert r.returncode == 0, r.stderr
     plan.write_text(r.stdout)
-    r = cli("verify", "--plan", str(plan), "--device", "fake", "--json")
+    r = memplan_cli("verify", "--plan", plan, "--device", "fake", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     best = json.loads(plan.read_text())["plans"][0]
     assert d["workload"]["micro_batch"] == best["micro_batch"] and d["gpu"] == "a100-80g"
+    assert d["device"] == "fake" and [m["meter"] for m in d["meters"]] == ["peak_allocated", "peak_reserved",
+                                                                           "device_used"]
+    for m in d["meters"]:
+        assert m["verdict"] in ("ok", "close", "off") and m["measured_bytes"] > 0
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -91,13 +96,13 @@ def test_verify_reads_a_suggest_plan(tmp_path):
     (["--model", "bert-base", "--steps", "0"], "--steps"),
     (["--model", "bert-base", "--task", "infer"], "training steps"),
 ])
-def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment, memplan_cli):
     if "--device" in args and torch.cuda.is_available():
         pytest.skip("a GPU is present")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"plans": [{"micro_batch": 1}]}))
     args = [a.format(bad=bad, missing=tmp_path / "nope.json") for a in args]
-    r = cli("verify", *args)
+    r = memplan_cli("verify", *args)
     assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
