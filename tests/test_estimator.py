@@ -134,8 +134,8 @@ def test_checkpointing_never_increases_memory(cfg):
 
 def test_activation_terms_are_affine_in_the_micro_batch():
     """The step builds every micro batch's activation tensors from the models at b = 1 and 2
-    (c + mb * x, estimator/acts.py); that holds exactly, tensor by tensor, for every catalog model
-    (memplan's kernels aside: their blocks depend on the token count, and acts.py builds them at each
+    (c + mb * x, estimator/activation_arrays.py); that holds exactly, tensor by tensor, for every catalog model
+    (memplan's kernels aside: their blocks depend on the token count, and activation_arrays.py builds them at each
     micro batch)."""
     from memplan.estimator.activations import training_activations
     from memplan.inputs.catalog import list_models

@@ -120,8 +120,8 @@ def test_unknown_family_gets_the_defaults():
 
 
 def _list_sums(am) -> dict[str, float]:
-    """The bytes of each list the step sums (estimator/acts.py), the log_softmax output among them."""
-    from memplan.estimator.acts import LISTS, tensor_lists
+    """The bytes of each list the step sums (estimator/activation_arrays.py), the log_softmax output among them."""
+    from memplan.estimator.activation_arrays import LISTS, tensor_lists
 
     ts, member = tensor_lists(am)
     return {name: sum(t.total for t, row in zip(ts, member) if row[i]) for i, name in enumerate(LISTS)}

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memplan.estimator import acts as A
+from memplan.estimator import activation_arrays as A
 from memplan.estimator.activations import training_activations
 from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report

@@ -109,32 +109,41 @@ def spec_from_config(
     trust_remote_code: bool = False,
 ) -> ModelSpec:
     """Build the real model on the meta device and read its architecture and parameter table."""
+    cfg, head = prepare_config(config, head, trust_remote_code)
+    model = _meta_model(cfg, head, name, trust_remote_code)
+    return ModelSpec(name=name, hf_id=hf_id, model_type=cfg.model_type, head=head, params=_param_table(model),
+                     **_architecture(cfg, head))
+
+
+def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):
     import torch
     import transformers
 
-    cfg, head = prepare_config(config, head, trust_remote_code)
-    mt = cfg.model_type
-    fam = family(mt)
-    arch, mlp, norm, position = fam.arch, fam.mlp, fam.norm, fam.position
     auto = getattr(transformers, HEADS[head])
     try:
         with torch.device("meta"):
-            model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
+            return auto.from_config(cfg, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise UserError(f"{name}: transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None
 
+
+def _param_table(model) -> tuple[ParamGroup, ...]:
+    """Parameters grouped by (category, shape, trainable), with their counts."""
     groups: Counter[tuple[str, tuple[int, ...], bool]] = Counter()
     for pname, p in model.named_parameters():  # named_parameters() yields tied tensors once
         groups[(categorize(pname), tuple(p.shape), p.requires_grad)] += 1
-    params = tuple(
+    return tuple(
         ParamGroup(category=c, shape=s, count=n, trainable=t)  # type: ignore[arg-type]
         for (c, s, t), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))
     )
 
+
+def _architecture(cfg: Any, head: str) -> dict[str, Any]:
+    """ModelSpec's architecture fields from a config, whatever each family calls them."""
+    fam = family(cfg.model_type)
+    arch, mlp = fam.arch, fam.mlp
     hidden = _get(cfg, "hidden_size", "d_model", "n_embd", "dim")
     heads = _get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
-    kv_heads = _get(cfg, "num_key_value_heads", default=heads)
-    head_dim = _get(cfg, "head_dim", "d_kv", default=hidden // heads)
     inter = _get(cfg, "intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim", default=4 * hidden)
     if fam.mlp_width_4h_when_unset and cfg.n_inner is None:
         inter = 4 * hidden
@@ -142,48 +151,32 @@ def spec_from_config(
     prefix = fam.gated_act_prefix
     if prefix and str(act).startswith(prefix):  # T5 v1.1 "gated-gelu"; original T5's "relu" is a plain MLP
         mlp, act = "gated", str(act)[len(prefix):]
-    n_layers = _get(cfg, "num_hidden_layers", "num_layers", "n_layer", "n_layers")
-    n_dec = _get(cfg, "num_decoder_layers", default=0) if arch == "encoder-decoder" else 0
-    hidden_dropout = float(_get(cfg, "hidden_dropout_prob", "resid_pdrop", "dropout", "dropout_rate",
-                                "hidden_dropout", default=0.0))
-    attn_dropout = float(_get(cfg, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout",
-                              "dropout_rate", default=0.0))
     max_pos = _get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0)
     if arch == "encoder-decoder" and not max_pos:
         max_pos = 512  # T5 has relative positions; 512 is its pre-training length
-    tie = bool(_get(cfg, "tie_word_embeddings", default=False)) and head in ("causal-lm", "seq2seq-lm", "masked-lm")
-    return ModelSpec(
-        name=name,
-        hf_id=hf_id,
-        model_type=mt,
-        arch=arch,  # type: ignore[arg-type]
-        head=head,
-        num_layers=int(n_layers),
-        num_decoder_layers=int(n_dec or 0),
-        hidden_size=int(hidden),
-        num_heads=int(heads),
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        intermediate_size=int(inter),
-        vocab_size=int(_get(cfg, "vocab_size", default=0)),
-        max_position=int(max_pos),
-        mlp=mlp,  # type: ignore[arg-type]
-        activation=str(act),
-        norm=norm,  # type: ignore[arg-type]
-        position=position,  # type: ignore[arg-type]
-        hidden_dropout=hidden_dropout,
-        attention_dropout=attn_dropout,
-        tie_embeddings=tie,
+    vision = arch == "vision"
+    return dict(
+        arch=arch, mlp=mlp, norm=fam.norm, position=fam.position, activation=str(act),
+        num_layers=int(_get(cfg, "num_hidden_layers", "num_layers", "n_layer", "n_layers")),
+        num_decoder_layers=int(_get(cfg, "num_decoder_layers", default=0) or 0) if arch == "encoder-decoder" else 0,
+        hidden_size=int(hidden), num_heads=int(heads), num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(_get(cfg, "head_dim", "d_kv", default=hidden // heads)), intermediate_size=int(inter),
+        vocab_size=int(_get(cfg, "vocab_size", default=0)), max_position=int(max_pos),
+        hidden_dropout=float(_get(cfg, "hidden_dropout_prob", "resid_pdrop", "dropout", "dropout_rate",
+                                  "hidden_dropout", default=0.0)),
+        attention_dropout=float(_get(cfg, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout",
+                                     "dropout_rate", default=0.0)),
+        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)) and head in (
+            "causal-lm", "seq2seq-lm", "masked-lm"),
         num_experts=int(_get(cfg, "num_local_experts", "num_experts", default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
         num_labels=int(cfg.num_labels) if head in ("sequence-classification", "token-classification",
                                                     "image-classification") else 0,
-        image_size=int(_get(cfg, "image_size", default=0)) if arch == "vision" else 0,
-        patch_size=int(_get(cfg, "patch_size", default=0)) if arch == "vision" else 0,
-        num_channels=int(_get(cfg, "num_channels", default=0)) if arch == "vision" else 0,
+        image_size=int(_get(cfg, "image_size", default=0)) if vision else 0,
+        patch_size=int(_get(cfg, "patch_size", default=0)) if vision else 0,
+        num_channels=int(_get(cfg, "num_channels", default=0)) if vision else 0,
         sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
         final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
-        params=params,
     )
 
 

@@ -80,7 +80,7 @@ class ModelSpec(BaseModel):
     final_logit_softcapping: float | None = None
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
 
-    # A spec is a cache key of the estimator's per-stage results (estimator/states.py, acts.py), looked
+    # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).
     @cached_property
     def fields_hash(self) -> int:
