@@ -261,10 +261,14 @@ def _expand(draft: Draft, axes: list, stages: list, spec, gpu) -> Iterator[dict[
         yield dict(draft)
         return
     (names, values), checks = axes[0], stages[0]
+    rest, later = axes[1:], stages[1:]
     for v in values:
-        draft.update(zip(names, v if len(names) > 1 else (v,)))
-        if first_violation(draft, spec, gpu, checks) is None:
-            yield from _expand(draft, axes[1:], stages[1:], spec, gpu)
+        if len(names) == 1:
+            draft[names[0]] = v
+        else:
+            draft.update(zip(names, v))
+        if not checks or first_violation(draft, spec, gpu, checks) is None:
+            yield from _expand(draft, rest, later, spec, gpu)
     for n in names:
         del draft[n]
 
