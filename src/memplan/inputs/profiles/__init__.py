@@ -18,7 +18,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from memplan.errors import UserError
 
@@ -69,7 +69,7 @@ class GPUProfile(BaseModel):
     """Total NVLink bandwidth per GPU, GB/s bidirectional as NVIDIA quotes it; None = no NVLink."""
     pcie_gbs: float
     """Host link, nominal GB/s per direction (PCIe 3.0 x16 = 16, 4.0 = 32, 5.0 = 64)."""
-    cuda_context_bytes: int
+    cuda_context_bytes: int = Field(ge=0)
     """NVML "used" on an otherwise idle GPU right after ``torch.ones((1, 1)).to("cuda")``:
     the process's CUDA context and loaded kernels, plus (R510+ drivers) the driver-reserved
     memory that NVML counts as used. cuBLAS/cuDNN/NCCL workspaces are not included."""
@@ -136,13 +136,6 @@ class GPUProfile(BaseModel):
     def _check_nvlink(cls, v: float | None) -> float | None:
         if v is not None and not v > 0:
             raise ValueError("must be > 0, or null when the GPU has no NVLink")
-        return v
-
-    @field_validator("cuda_context_bytes")
-    @classmethod
-    def _check_context(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be >= 0")
         return v
 
     @model_validator(mode="after")
