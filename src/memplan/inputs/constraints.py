@@ -12,7 +12,7 @@ the GPU by `check` (estimate) and by the search for every candidate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -228,18 +228,39 @@ def check(spec: ModelSpec, gpu: GPUProfile, w: Any) -> None:
         raise UserError(c.text(w, spec, gpu))
 
 
-class Draft(dict):
+class Draft:
     """A partial workload: the fields set so far, read as attributes (a predicate that reads a field it
-    does not declare fails here with KeyError instead of passing silently)."""
+    does not declare fails here with AttributeError instead of passing silently). The fields live in the
+    instance's __dict__, so reading one is a plain attribute lookup: the search reads thousands."""
 
-    __getattr__ = dict.__getitem__
+    def __init__(self, fields: Any = (), **more: Any) -> None:
+        self.__dict__.update(fields, **more)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.__dict__[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.__dict__[name]
+
+    def __ior__(self, fields: dict[str, Any]) -> "Draft":
+        self.__dict__.update(fields)
+        return self
+
+    def update(self, fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def keys(self):
+        return self.__dict__.keys()
+
+    def fields(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 Axis = tuple[str | tuple[str, ...], Sequence[Any]]  # a field (or fields set together) and its values
 
 
 def assignments(fixed: dict[str, Any], axes: Sequence[Axis], spec: ModelSpec,
-                gpu: GPUProfile) -> Iterator[dict[str, Any]]:
+                gpu: GPUProfile) -> list[dict[str, Any]]:
     """Every assignment of `axes` (in order) on top of `fixed` that no entry refuses. Each entry is
     tested as soon as every field it reads is set, so a refused prefix is not expanded; entries that
     read a field neither fixed nor in the axes are left to the caller."""
@@ -251,14 +272,17 @@ def assignments(fixed: dict[str, Any], axes: Sequence[Axis], spec: ModelSpec,
         known.update(fields)
         stages.append([c for c in todo if c.reads <= known])
         todo = [c for c in todo if not c.reads <= known]
-    draft = Draft(fixed)
+    draft, out = Draft(fixed), []
     if first_violation(draft, spec, gpu, stages[0]) is None:
-        yield from _expand(draft, [(n, v) for n, (_, v) in zip(names, axes)], stages[1:], spec, gpu)
+        _expand(draft, [(n, v) for n, (_, v) in zip(names, axes)], stages[1:], spec, gpu, out)
+    return out
 
 
-def _expand(draft: Draft, axes: list, stages: list, spec, gpu) -> Iterator[dict[str, Any]]:
+def _expand(draft: Draft, axes: list, stages: list, spec, gpu, out: list) -> None:
+    """Depth first over the axes, appending every allowed leaf to `out` (a plain recursion: the search
+    expands thousands of nodes per layout, and a generator chain would pass each leaf up every level)."""
     if not axes:
-        yield dict(draft)
+        out.append(draft.fields())
         return
     (names, values), checks = axes[0], stages[0]
     rest, later = axes[1:], stages[1:]
@@ -268,7 +292,7 @@ def _expand(draft: Draft, axes: list, stages: list, spec, gpu) -> Iterator[dict[
         else:
             draft.update(zip(names, v))
         if not checks or first_violation(draft, spec, gpu, checks) is None:
-            yield from _expand(draft, rest, later, spec, gpu)
+            _expand(draft, rest, later, spec, gpu, out)
     for n in names:
         del draft[n]
 
