@@ -28,7 +28,7 @@ class ModelInfo(BaseModel):
 
 
 class MemoryBreakdown(BaseModel):
-    """Bytes per category at the peak moment, and the three meters of DESIGN.md."""
+    """Bytes per category at the peak moment, and the three meters (docs/contract.md)."""
 
     model_config = ConfigDict(frozen=True)
 

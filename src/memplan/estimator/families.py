@@ -29,7 +29,7 @@ class Family:
     # GPT2Block: inner_dim = 4 * hidden_size).
     mlp_width_4h_when_unset: bool = False
 
-    # -- activation model (estimator/activations.py, docs/activations.md) -----------------------------------
+    # -- activation model (estimator/activations.py, docs/estimator.md) ------------------------------------
     # eager_attention_forward runs softmax(..., dtype=torch.float32).to(query.dtype)
     softmax_fp32: bool = False
     qkv_linears: int = 3  # linears reading the attention input: q, k, v projections, or one fused qkv

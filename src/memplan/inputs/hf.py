@@ -15,8 +15,8 @@ from memplan.errors import UserError
 from memplan.estimator.families import family, model_types
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
-# Default head per architecture, and the Auto class that builds it (issue #2: sequence classification
-# with 2 labels for encoders, causal LM for decoders, seq2seq LM for T5, image classification for ViT).
+# Default head per architecture, and the Auto class that builds it (sequence classification with 2
+# labels for encoders, causal LM for decoders, seq2seq LM for T5, image classification for ViT).
 HEADS: dict[str, str] = {
     "causal-lm": "AutoModelForCausalLM",
     "sequence-classification": "AutoModelForSequenceClassification",

@@ -23,7 +23,8 @@ from memplan.inputs.workload import Workload
 
 # Fraction of peak a large, well-shaped matmul-bound transformer step reaches (public MFU reports for
 # single-GPU HF training sit at 35-60%); smaller shapes reach less: half-efficiency at 512 tokens per
-# micro batch and at hidden 384 (an assumption fitted to nothing, documented as such; issue 4 refines it).
+# micro batch and at hidden 384 (an assumption fitted to nothing, documented as such in
+# docs/cost-model.md; measurements on a GPU should calibrate it).
 PEAK_EFFICIENCY = 0.6
 TOKENS_HALF = 512
 HIDDEN_HALF = 384

@@ -7,8 +7,8 @@ every combination the constraints table allows) -> evaluated (search/evaluate.py
 (search/rank.py) -> explained, with alternatives and notes (here).
 
 Nothing is pruned: every candidate of a layout (every setting of the other knobs x every micro
-batch) is evaluated at once by `memplan.estimator.table`, the estimator and the cost model in numpy; the plans
-shown are estimated again by the scalar path.
+batch) is evaluated at once by `memplan.estimator.step.evaluate`, the estimator and the cost model in
+numpy; a shown plan's report is read from the table cell that evaluated it (`step.cell_peak`).
 
 Knobs that change the training mathematics (optimizer, pure bf16, fp32 vs mixed precision) are
 searched only when the user allows them; otherwise the best alternative that would change them is

@@ -31,8 +31,9 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-# The allocator's constants and its two size rules live in rules.py (the estimator uses them too):
-# kMinBlockSize, kSmallSize; round_size -> round_block; get_allocation_size -> round_segment.
+# The allocator's constants live in estimator/rules.py and its two size rules in estimator/allocation.py
+# (the estimator uses them too): kMinBlockSize, kSmallSize; round_size -> round_block;
+# get_allocation_size -> round_segment.
 from memplan.estimator.rules import ALLOC_MIN_BLOCK as MIN_BLOCK_SIZE
 from memplan.estimator.rules import ALLOC_SMALL_SIZE as SMALL_SIZE
 from memplan.estimator.allocation import round_block as round_size

@@ -1,6 +1,6 @@
 """Real optimizers for memplan's verification run (a short measured training run).
 
-`build_optimizer(name, params)` maps the names in `planner.rules.OPTIMIZERS` to the
+`build_optimizer(name, params)` maps the names in `memplan.estimator.rules.OPTIMIZERS` to the
 optimizer a Hugging Face `Trainer` would build for `optim=name`, so that the tensors
 it allocates can be measured.
 
