@@ -1,7 +1,7 @@
 """Peak tensor bytes of causal self-attention, forward + backward, eager vs memplan's tiled attention
 (memplan.kernels.attention, the PyTorch path), over sequence lengths, counted by memplan's tracker
-(planner/tracer.py) on fake tensors: exact storage bytes, each rounded to 512 B as the CUDA allocator
-rounds them, and no memory used (which is why eager can be "run" at 32k: 128 GiB of fp32 softmax).
+(src/memplan/verify/tracer.py) on fake tensors: exact storage bytes, each rounded to 512 B as the CUDA
+allocator rounds them, and no memory used (which is why eager can be "run" at 32k: 128 GiB of fp32 softmax).
 
     python benchmarks/attention_memory.py [--batch 1 --heads 32 --head-dim 128 --seqs 1024,...] [--out ...]
 

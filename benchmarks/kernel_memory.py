@@ -1,6 +1,6 @@
 """Peak tensor bytes of the loss head, eager PyTorch vs memplan.kernels.linear_cross_entropy, forward +
-backward, counted by memplan's tracker (planner/tracer.py) on fake tensors: exact storage bytes, each
-rounded to 512 B as the CUDA allocator rounds them, and no memory used.
+backward, counted by memplan's tracker (src/memplan/verify/tracer.py) on fake tensors: exact storage bytes,
+each rounded to 512 B as the CUDA allocator rounds them, and no memory used.
 
     python benchmarks/kernel_memory.py [--hidden 4096 --vocab 128256 --tokens 8192] [--out ...]
 

@@ -1,7 +1,7 @@
 """Peak tensor bytes of one gated MLP's forward + backward, untiled vs memplan.kernels.mlp.tiled_mlp, with
 transformers' activation (silu(gate) * up) or memplan's fused gated_act, counted by memplan's tracker
-(planner/tracer.py) on fake tensors: exact storage bytes, each rounded to 512 B as the CUDA allocator
-rounds them, and no memory used.
+(src/memplan/verify/tracer.py) on fake tensors: exact storage bytes, each rounded to 512 B as the CUDA
+allocator rounds them, and no memory used.
 
     python benchmarks/mlp_memory.py [--hidden 4096 --intermediate 14336 --tokens 4096 8192 16384 32768]
 

@@ -83,7 +83,8 @@ def _estimates() -> list[dict]:
         for fsdp in ("full-shard", "shard-grad-op", "hybrid-shard"):
             add(model, gpu, gpus=8, nodes=2, fsdp=fsdp, precision=prec, micro_batch=1, seq_len=2048, attn=attn,
                 grad_ckpt="selective")
-    # the call-order reproduction of the redesign issue: hybrid shard on 8 x 2, then on 4 x 4
+    # hybrid shard on 8 x 2, then on 4 x 4 in one process: a stage cache keyed without the GPUs per node
+    # once gave the 4 x 4 run the 8 x 2 run's states
     for gpus, nodes in ((8, 2), (4, 4), (2, 8), (8, 2)):
         add("llama-3.1-8b", "h100-80g", gpus=gpus, nodes=nodes, fsdp="hybrid-shard", micro_batch=1, seq_len=2048,
             precision="bf16", attn="flash")

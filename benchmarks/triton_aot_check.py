@@ -1,10 +1,10 @@
 """Ahead-of-time compile check of memplan's Triton kernels for NVIDIA targets, without a GPU.
 
 Compiles every autotune config (attention) / every launch tile (gated MLP) of the kernels in
-kernels/triton_attention.py and kernels/triton_mlp.py with triton.compile(ASTSource, target=GPUTarget)
-for sm_80 and sm_90, using Triton's bundled ptxas (the one the JIT uses at run time), and reports per
-compile: ok / error, dynamic shared memory (metadata.shared, what the launcher checks against the
-device's opt-in limit), registers and spill bytes from `ptxas -v`.
+src/memplan/kernels/triton_attention.py and src/memplan/kernels/triton_mlp.py with
+triton.compile(ASTSource, target=GPUTarget) for sm_80 and sm_90, using Triton's bundled ptxas (the one
+the JIT uses at run time), and reports per compile: ok / error, dynamic shared memory (metadata.shared,
+what the launcher checks against the device's opt-in limit), registers and spill bytes from `ptxas -v`.
 
 The signature and the divisibility / ==1 specialisation of each argument are derived exactly as
 JITFunction.run does it (native_specialize_impl), from representative arguments: q/k/v (b, hq|hkv, s, d)

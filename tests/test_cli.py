@@ -1,4 +1,4 @@
-"""The CLI contract of DESIGN.md: --json documents, one-line errors with exit 2."""
+"""The CLI contract (docs/contract.md): --json documents, one-line errors with exit 2."""
 
 import json
 import subprocess

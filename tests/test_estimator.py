@@ -12,7 +12,7 @@ from memplan.estimator.families import supported_attn
 from memplan.errors import UserError
 
 MiB = 1 << 20
-# DESIGN.md calibration point: V100-SXM2 16 GB, HF Trainer, bert-large-uncased sequence classification,
+# The calibration point (docs/contract.md): V100-SXM2 16 GB, HF Trainer, bert-large-uncased sequence classification,
 # batch 4, seq 512, fp32, AdamW: NVML showed 14949 MB (MiB) used.
 V100_BERT_LARGE_MIB = 14949
 

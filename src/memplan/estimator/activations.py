@@ -5,8 +5,8 @@ Every term is a `Tensors(name, nbytes, count)`: `count` live tensors of `nbytes`
 per-tensor rounding can be applied. Notation: b micro batch, s sequence, T = b*s tokens, h hidden,
 a query heads, k kv heads, d head dim, f MLP intermediate, V vocab, E experts, K experts per token.
 Byte widths: p = matmul outputs (4 fp32, 2 half), r = residual stream / norm outputs (4 under fp32 and
-autocast, 2 in pure half), see rules.Precision. docs/estimator.md ("Activation terms per layer") derives each
-term.
+autocast, 2 in pure half), see rules.Precision. docs/estimator.md, "Activation terms per layer",
+derives each term.
 
 Starting point: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"), 34*s*b*h + 5*a*s^2*b bytes per layer in half precision with dropout; this model refines it to

@@ -88,7 +88,8 @@ def _states(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarray):
 
 def _activation_sums(sums: np.ndarray, rows: np.ndarray, first: bool, last: bool) -> dict[str, np.ndarray]:
     """Each list's (B, K) sum for this stage (embeddings on the first, the head and loss on the last)."""
-    out = {name: sums[rows, :, i] for i, name in enumerate(A.LISTS)}
+    gathered = sums[rows]  # (B, K, F)
+    out = {name: gathered[:, :, i] for i, name in enumerate(A.LISTS)}
     zero = np.zeros_like(out["layer"])
     for name in ("embed",):
         out[name] = out[name] if first else zero
@@ -143,10 +144,12 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:
     """(B, K) the tied head's gradient sum at the end of backward (states.tied_grad_sum); DeepSpeed and
     FSDP reduce it in their own buffers."""
+    tied = (st["tied"] > 0) & ~_col([half_model(w) for w in bases]).astype(bool)
+    if not tied.any():  # untied heads (most large models), or every row a half model
+        return np.zeros(tied.shape, np.int64)
     live = _col([tied_grad_sum(spec, PRECISIONS[w.precision].grad, True, w.tp) for w in bases])
     none = _col([tied_grad_sum(spec, PRECISIONS[w.precision].grad, False, w.tp) for w in bases])
-    ds = _col([half_model(w) for w in bases]).astype(bool)
-    return np.where((st["tied"] > 0) & ~ds, np.where(grads_in_fwd, live, none), 0)
+    return np.where(tied, np.where(grads_in_fwd, live, none), 0)
 
 
 def activations_now(c: StageCells, idx: np.ndarray) -> np.ndarray:
