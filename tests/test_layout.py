@@ -42,3 +42,20 @@ def test_no_function_is_longer_than_a_screen():
             for p, tree in _trees() for n in ast.walk(tree)
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > LONGEST]
     assert long == []
+
+
+def test_every_cited_doc_and_source_file_exists():
+    """Code and docs cite docs/*.md pages and src/memplan paths: each must exist."""
+    texts = [p for p in [ROOT / "README.md", *ROOT.glob("docs/*.md"), *MODULES, *ROOT.glob("tests/*.py"),
+                         *ROOT.glob("benchmarks/*.py")]]
+    missing = []
+    for p in texts:
+        text = p.read_text()
+        for cited in re.findall(r"(?<![\w/.])((?:docs|tests|benchmarks|scripts)/[\w-]+\.(?:md|py)|src/memplan/[\w/]+\.py)",
+                                text):
+            if not (ROOT / cited).exists():
+                missing.append(f"{p.relative_to(ROOT)}: {cited}")
+        for cited in re.findall(r"(?<![\w/.])((?:inputs|estimator|search|verify|cli|kernels)/\w+\.py)", text):
+            if not (PACKAGE / cited).exists():
+                missing.append(f"{p.relative_to(ROOT)}: {cited}")
+    assert missing == []

@@ -18,7 +18,7 @@ CASES = json.loads((ROOT / "benchmarks/accuracy/cases.json").read_text())
 
 
 FAST = [c for c in CASES["cases"] if c.get("fast")]
-# the issue's must-show plan (bert-base b2 s128, fp32, sdpa): also one of the accuracy suite's fast cases
+# the verify acceptance plan (bert-base b2 s128, fp32, sdpa): also one of the accuracy suite's fast cases
 MUST_SHOW = next(c for c in FAST if (c["model"], c["micro_batch"], c["seq_len"]) == ("bert-base", 2, 128))
 
 
@@ -45,7 +45,7 @@ def verify_case():
 
 
 def test_fake_and_cpu_agree_and_match_the_estimate(verify_case):
-    """The issue's must-show: bert-base b2 s128, cpu vs fake within 2 %, the estimate within 5 % of both."""
+    """The verify acceptance case: bert-base b2 s128, cpu vs fake within 2 %, the estimate within 5 % of both."""
     fake, cpu = verify_case(MUST_SHOW, "fake"), verify_case(MUST_SHOW, "cpu")
     f, c = fake.meters[0].measured_bytes, cpu.meters[0].measured_bytes
     assert abs(f - c) / c <= 0.02

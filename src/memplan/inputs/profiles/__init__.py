@@ -210,7 +210,7 @@ def _registry() -> tuple[dict[str, GPUProfile], dict[str, str]]:
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".json"):
             continue
-        prof = _parse(f"memplan/profiles/{entry.name}", entry.read_text(encoding="utf-8"))
+        prof = _parse(f"memplan/inputs/profiles/{entry.name}", entry.read_text(encoding="utf-8"))
         if prof.name in profiles:
             raise RuntimeError(f"duplicate bundled GPU profile name {prof.name!r}")
         profiles[prof.name] = prof
