@@ -219,7 +219,7 @@ def test_cli_emit_writes_files_atomically_and_never_overwrites(tmp_path, memplan
 
 @pytest.mark.parametrize("extra", [(), ("--tp", "1", "--pp", "1")])
 def test_cli_emit_deepspeed_must_show(extra, tmp_path, monkeypatch, memplan_cli):
-    """The multi-GPU DeepSpeed plan (70B on 64 H100s). memplan may choose AutoTP (tp 2 x dp 4): DeepSpeed then counts the 4
+    """llama-3.1-8b on 8 x A100 40 GB with --emit deepspeed. memplan may choose AutoTP (tp 2 x dp 4): DeepSpeed counts the 4
     data-parallel ranks in train_batch_size; with --tp 1 the plan is ZeRO over all 8."""
     out = tmp_path / "out"
     r = memplan_cli("suggest", "--model", "llama-3.1-8b", "--gpu", "a100-40g", "--gpus", "8", "--emit", "deepspeed", "-o",
