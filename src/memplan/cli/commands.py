@@ -170,7 +170,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @_parallel_options(search=True)
 @click.option("--emit", type=click.Choice(["trainer", "deepspeed", "accelerate", "all"]),
               help="write the first plan's launch files: TrainingArguments (JSON + .py), ds_config.json, "
-              "accelerate_config.yaml, and plan.json")
+              "accelerate_config.yaml, plan.json (with the launch section), train.py and launch.sh")
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="directory for --emit; '-' prints")
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
@@ -179,6 +179,14 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
     """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
     from memplan import api
 
+    if emit:  # what cannot be written is refused before the search runs and prints
+        from memplan import emit as emit_files
+
+        if task != "train":
+            raise UserError("--emit writes training configs; --task infer has none")
+        if as_json and out_dir == "-":
+            raise UserError("--emit -o - and --json both print to stdout; write the files to a directory")
+        emit_files.check_directory(out_dir, emit_files.emit_names(emit), force)
     if emit == "deepspeed":  # a DeepSpeed file is asked for: plan with DeepSpeed
         zero = zero or "1,2,3"
         fsdp = fsdp or "none"
@@ -187,8 +195,6 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp)
-    if emit and as_json and out_dir == "-":
-        raise UserError("--emit -o - and --json both print to stdout; write the files to a directory")
     if as_json:
         _emit_json(s)
     else:
@@ -198,8 +204,6 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
     if emit:
         if not s.plans:
             raise UserError("nothing fits: no plan to emit")
-        if task != "train":
-            raise UserError("--emit writes training configs; --task infer has none")
         what = ("trainer", "deepspeed", "accelerate") if emit == "all" else (emit,)
         written = s.plans[0].write(out_dir, what, force=force, spec=api.resolve_spec(model, head, trust_remote_code))
         if written and not as_json:

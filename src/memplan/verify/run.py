@@ -389,7 +389,8 @@ class _Progress:
 
 
 def read_plan(path: str, index: int) -> tuple[str, str, dict[str, Any]]:
-    """(model, gpu, workload fields) from a file `memplan suggest --json` wrote (or one of its plans)."""
+    """(model, gpu, workload fields) from a file `memplan suggest --json` wrote (or one of its plans), or
+    the plan.json of `memplan suggest --emit`."""
     import json
     from pathlib import Path
 
@@ -406,11 +407,14 @@ def read_plan(path: str, index: int) -> tuple[str, str, dict[str, Any]]:
         if not 0 <= index < len(doc["plans"]):
             raise UserError(f"--plan-index {index}: {path!r} has {len(doc['plans'])} plans")
         plan = doc["plans"][index]
+    elif isinstance(doc, dict) and isinstance(doc.get("plan"), dict):  # the plan.json `suggest --emit` writes
+        plan = doc["plan"]
     elif isinstance(doc, dict) and "micro_batch" in doc:
         plan = doc
     est = plan.get("estimate") if isinstance(plan, dict) else None
     if not isinstance(est, dict) or not isinstance(est.get("workload"), dict) or "model" not in est:
-        raise UserError(f"--plan: {path!r} is not a memplan plan; expected what `memplan suggest --json` writes")
+        raise UserError(f"--plan: {path!r} is not a memplan plan; expected what `memplan suggest --json` or "
+                        "`--emit` writes")
     model = est["model"].get("hf_id") or est["model"].get("name")
     return model, est.get("gpu", ""), dict(est["workload"])
 

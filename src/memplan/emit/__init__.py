@@ -1,0 +1,24 @@
+"""Emitters: a Plan as the files a user launches unchanged (docs/emit.md).
+
+- `training_arguments(plan, spec)`: keyword arguments for the installed `transformers.TrainingArguments`
+  (trainer.py);
+- `deepspeed_config(plan, spec)`: ds_config.json, with the bucket and stage-3 numbers the estimator
+  counted (memplan.estimator.parallel.ds_buckets), explicit rather than "auto" so the file and the
+  estimate agree, and DeepSpeed's own optimizer under offload (ds_config.py);
+- `accelerate_config(plan, spec)`: the YAML for `accelerate launch --config_file` (accelerate_yaml.py);
+- `launch_section(plan, files)`: plan.json's `launch`: the model's loading kwargs, the kernels, the
+  checkpointing, what no file can express, the launch command (launch.py);
+- `render(plan, spec, what)` and `write(files, directory, force=False)`: the files, with plan.json,
+  train.py (train.py here, copied) and launch.sh, written atomically (files.py).
+"""
+
+from memplan.emit.accelerate_yaml import accelerate_config
+from memplan.emit.common import DS_CONFIG, layer_classes, uses_deepspeed
+from memplan.emit.ds_config import deepspeed_config
+from memplan.emit.files import check_directory, emit_names, render, sidecar, write
+from memplan.emit.launch import launch_section
+from memplan.emit.trainer import compile_pays, training_arguments, training_arguments_py
+
+__all__ = ["DS_CONFIG", "accelerate_config", "check_directory", "compile_pays", "deepspeed_config", "emit_names",
+           "launch_section", "layer_classes", "render", "sidecar", "training_arguments", "training_arguments_py",
+           "uses_deepspeed", "write"]

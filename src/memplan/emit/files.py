@@ -1,0 +1,107 @@
+"""The emitted files as text (render), and writing them (write): checked before the search runs, written
+atomically, never over a user's file without `force`."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from memplan import __version__
+from memplan.emit.accelerate_yaml import accelerate_config
+from memplan.emit.common import ACCELERATE_YAML, DS_CONFIG, LAUNCH_SH, PLAN_JSON, TRAIN_PY, TRAINING_ARGS, uses_deepspeed
+from memplan.emit.ds_config import deepspeed_config
+from memplan.emit.launch import launch_script, launch_section
+from memplan.emit.trainer import training_arguments, training_arguments_py
+from memplan.errors import UserError
+from memplan.inputs.modelspec import ModelSpec
+
+KINDS = ("trainer", "deepspeed", "accelerate")
+# The files each kind writes whatever the plan (ds_config.json only for DeepSpeed plans, which
+# `--emit deepspeed` asks for); plan.json always. The CLI checks these before it searches.
+CERTAIN = {"trainer": (TRAINING_ARGS, "training_args.py"), "deepspeed": (DS_CONFIG,), "accelerate": (ACCELERATE_YAML,)}
+
+
+def sidecar(plan, launch: dict | None = None) -> dict:
+    """plan.json: the memplan version, the predicted peak, the plan with its estimate, and `launch`
+    (docs/emit.md). `memplan verify --plan` reads it."""
+    doc = {"memplan_version": __version__, "predicted_device_used_bytes": plan.estimate.device_used_bytes,
+           "predicted_peak_allocated_bytes": plan.estimate.peak_allocated_bytes, "plan": plan.model_dump(mode="json")}
+    if launch is not None:
+        doc["launch"] = launch
+    return doc
+
+
+def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
+    """File name -> text for the requested kinds (trainer, deepspeed, accelerate), plus plan.json, and
+    train.py + launch.sh where the HF Trainer can run the plan."""
+    import yaml
+
+    out: dict[str, str] = {}
+    if "trainer" in what and (plan.pp == 1 or what == ("trainer",)):  # pipelines: said in launch.not_expressed
+        kw = training_arguments(plan, spec)
+        out[TRAINING_ARGS] = json.dumps(kw, indent=1) + "\n"
+        out["training_args.py"] = training_arguments_py(plan, kw)
+        out[TRAIN_PY] = (Path(__file__).parent / "train.py").read_text(encoding="utf-8")
+    if "deepspeed" in what and uses_deepspeed(plan):
+        out[DS_CONFIG] = json.dumps(deepspeed_config(plan, spec), indent=1) + "\n"
+    if "accelerate" in what:
+        head = (f"# memplan {__version__}: {plan.estimate.model.name}, predicted peak "
+                f"{plan.estimate.device_used_bytes / 2**30:.2f} GiB per GPU; see plan.json\n")
+        out[ACCELERATE_YAML] = head + yaml.safe_dump(accelerate_config(plan, spec), sort_keys=False)
+    launch = launch_section(plan, set(out))
+    if launch["command"]:
+        out[LAUNCH_SH] = launch_script(launch)
+    out[PLAN_JSON] = json.dumps(sidecar(plan, launch), indent=1) + "\n"
+    return out
+
+
+def check_directory(directory: str, names: tuple[str, ...] = (), force: bool = False) -> None:
+    """Refuse, before any search, an -o that cannot take the files: empty, not a directory, not writable,
+    or holding one of `names` (without force). Creates the directory."""
+    if directory == "-":
+        return
+    if not directory.strip():
+        raise UserError("-o: empty directory name (use -o . for the working directory, - to print)")
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"-o {directory}: not a directory")
+    clash = [name for name in names if (d / name).exists()]
+    if clash and not force:
+        raise UserError(f"-o {directory}: {', '.join(clash)} already exist(s); pass --force to overwrite")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".memplan-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"-o {directory}: cannot write there ({e.strerror or e})") from None
+
+
+def emit_names(emit: str) -> tuple[str, ...]:
+    """The files `--emit KIND` writes whatever the plan."""
+    kinds = KINDS if emit == "all" else (emit,)
+    return tuple(n for k in kinds for n in CERTAIN[k] if (k != "deepspeed" or emit == "deepspeed")) + (PLAN_JSON,)
+
+
+def write(files: dict[str, str], directory: str, force: bool = False) -> list[str]:
+    """Write each file atomically (a temporary file renamed over the target); refuse to overwrite an
+    existing file unless `force`. `directory` '-' prints them to stdout instead."""
+    if directory == "-":
+        for name, text in files.items():
+            print(f"# ---- {name}\n{text}", end="" if text.endswith("\n") else "\n")
+        return []
+    check_directory(directory, tuple(files), force)
+    d = Path(directory)
+    written = []
+    try:
+        for name, text in files.items():
+            target, tmp = d / name, d / f".{name}.memplan-tmp"
+            tmp.write_text(text, encoding="utf-8")
+            if name.endswith(".sh"):
+                tmp.chmod(0o755)
+            os.replace(tmp, target)
+            written.append(str(target))
+    except OSError as e:
+        raise UserError(f"-o {directory}: cannot write {name} ({e.strerror or e})") from None
+    return written
