@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".[test]"
-"$PY" -m pytest -q "$@"
+# Two workers (pytest-xdist), a test file each at a time: the suite is mostly CPU-bound traces and
+# subprocesses, and this machine has two cores.
+"$PY" -m pytest -q -n 2 --dist loadfile "$@"
