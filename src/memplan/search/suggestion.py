@@ -190,13 +190,17 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     if not req.train or (fused, tiled) == (sp.kernels, sp.tiled):
         return [], 0
     best = found[0] if found else None
-    layout = sp if best is None else sp._replace(
-        tps=[best.base.tp], pps=[best.base.pp], zeros=[best.base.zero], offloads=[best.base.offload],
-        sps=[best.base.sp], vpps=[best.base.vpp], fsdps=[best.base.fsdp], precisions=[best.base.precision],
-        optims=[best.base.optim])
-    wider, n, _ = search_pass(req, layout._replace(kernels=fused, tiled=tiled))
-    with_kernels = sorted((c for c in wider if c.base.kernels or c.base.tiled_mlp),
-                          key=lambda c: rank_key(c, req.objective))
+    # one GPU (kernel_options): as run_passes, the plain Trainer first (the kernels may spare DeepSpeed),
+    # DeepSpeed only where it does not fit
+    plain = req.zero is None and req.offload is None and req.fsdp is None
+    n, with_kernels = 0, []
+    for space_ in ([sp._replace(zeros=[0], offloads=["none"])] if plain else []) + [sp]:
+        wider, m, _ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
+        n += m
+        with_kernels = sorted((c for c in wider if c.base.kernels or c.base.tiled_mlp),
+                              key=lambda c: rank_key(c, req.objective))
+        if with_kernels:
+            break
     c = with_kernels[0] if with_kernels else None
     if c is None or (best is not None and c.samples_per_s <= best.samples_per_s * 1.01):
         return [], n
