@@ -278,7 +278,7 @@ def test_verify_refuses_multi_gpu_plans(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(s.model_dump_json())
     with pytest.raises(UserError, match="multi-GPU"):
-        run(model=None, gpu=None, plan_file=str(plan), device="fake", steps=1)
+        run(model=None, gpu=None, plan_file=str(plan), device="fake", steps=2)
 
 
 def test_cost_model_reproduces_published_findings():

@@ -14,6 +14,11 @@ from memplan.errors import UserError
 
 MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
 GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
+# memplan.inputs.defaults.PRECISION_HELP, kept here as text so that --help imports nothing heavy
+PRECISION_HELP = ("fp32; fp16 / bf16: autocast over fp32 weights (HF Trainer fp16=True / bf16=True); bf16-pure: "
+                  "bf16 weights, gradients and states; infer also fp16-pure / bf16-pure (half weights, what "
+                  "from_pretrained(dtype=...) loads), int8, int4 [default: train bf16 (fp16 without bf16 "
+                  "support), infer bf16-pure (fp16-pure)]")
 
 
 def _emit_json(doc) -> None:
@@ -44,7 +49,8 @@ def common_options(f, required: bool = True):
         click.option("--optim", help="HF TrainingArguments optim name or 'adamw' [default: adamw_torch_fused]"),
         click.option("--optim-args", help="optimizer arguments, e.g. 'momentum=0.9' for sgd"),
         click.option("--attn", help="eager, sdpa, flash, memplan (memplan.kernels' tiled attention; transformers "
-                     "attn_implementation names accepted)"),
+                     "attn_implementation names accepted) [default: sdpa where the model has it, else eager; "
+                     "suggest: searched]"),
         click.option("--head", help="model head: causal-lm, sequence-classification, seq2seq-lm, "
                      "image-classification, masked-lm, token-classification, question-answering, base"),
         click.option("--zero-grad", type=click.Choice(["set-to-none", "zeros"]), default="set-to-none",
@@ -53,7 +59,8 @@ def common_options(f, required: bool = True):
                      help="fraction of GPU memory to keep free"),
         click.option("--trust-remote-code", is_flag=True, help="allow custom modelling code from the hub"),
         click.option("--kernels", is_flag=True, default=None, help="train with memplan's fused linear + cross-entropy "
-                     "(memplan.kernels.apply(model)): no b x s x vocab logits"),
+                     "(memplan.kernels.apply(model)): no b x s x vocab logits [default: off; suggest says what "
+                     "it would gain]"),
         click.option("--tiled-mlp", is_flag=True, default=None, help="train with memplan's tiled MLP "
                      "(memplan.kernels.apply(model, mlp=True)): each layer keeps only its MLP input"),
         click.option("--json", "as_json", is_flag=True, help="print one JSON document"),
@@ -79,7 +86,8 @@ def _parallel_options(search: bool):
             click.option("--pp", help="pipeline stages" + (many or " [default: 1]")),
             click.option("--sp", help="sequence parallel with TP: on, off" + (many or " [default: off]")),
             click.option("--vpp", help="virtual stages per GPU (interleaved 1F1B)" + (many or " [default: 1]")),
-            click.option("--cpu-mem", type=float, help="host RAM per node in GiB, for offload [default: not checked]"),
+            click.option("--cpu-mem", type=float, help="host RAM per node in GiB, which offload must fit [default: "
+                         "this machine's with --gpu auto, else the GPU profile's typical host, docs/gpus.md]"),
         ]
         if search:  # only the ranking's cost model reads the network
             opts.append(click.option("--net-gbs", type=float, help="inter-node GB/s per GPU [default: by GPU "
@@ -124,8 +132,7 @@ def cli() -> None:
 @common_options
 @click.option("--micro-batch", "-b", type=int, default=1, show_default=True, help="sequences per GPU per step")
 @click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--precision", help="train: fp32, fp16, bf16 (autocast), bf16-pure; infer: fp32, fp16, bf16 "
-              "(autocast), fp16-pure, bf16-pure, int8, int4 [default: train fp32, infer best half]")
+@click.option("--precision", help=PRECISION_HELP)
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
 @click.option("--beams", type=int, default=1, show_default=True)
@@ -136,21 +143,13 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
              offload, tp, pp, sp, vpp, cpu_mem) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from memplan import api
-    from memplan.search.space import best_mixed_precision, default_seq_len
 
-    spec = api.resolve_spec(model, head, trust_remote_code)
-    prof = api.resolve_gpu(gpu)
-    if precision is None:
-        precision = "fp32" if task == "train" else best_mixed_precision(prof, task)
-    est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
-                       grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
-                       grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
-                       zero_grad=zero_grad, headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
+    est = api.estimate(model, gpu, head=head, trust_remote_code=trust_remote_code, cpu_mem=_cpu_mem(cpu_mem),
+                       task=task, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                       precision=precision, optim=optim, momentum=_momentum(optim_args), grad_ckpt=grad_ckpt,
+                       attn=attn, max_new_tokens=max_new_tokens, beams=beams, zero_grad=zero_grad,
+                       headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
                        **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp))
-    limit = _cpu_mem(cpu_mem)
-    if limit is not None and est.cpu_ram_per_node_bytes > limit:
-        est = est.model_copy(update={"fits": False, "notes": est.notes + [
-            f"offload needs {est.cpu_ram_per_node_bytes / 2**30:,.0f} GiB of host RAM per node; --cpu-mem is {cpu_mem:g}"]})
     if as_json:
         _emit_json(est)
     else:
@@ -162,7 +161,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @cli.command()
 @common_options
 @click.option("--batch-size", type=int, help="global batch in sequences [default: 32]")
-@click.option("--precision", help="one, a comma list, or 'any' [default: best mixed precision of the GPU]")
+@click.option("--precision", help="one, a comma list, or 'any'; " + PRECISION_HELP)
 @click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
 @click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
@@ -214,7 +213,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @functools.partial(common_options, required=False)
 @click.option("--micro-batch", "-b", type=int, help="sequences per GPU per step [default: 1]")
 @click.option("--grad-accum", type=int, help="[default: 1]")
-@click.option("--precision", help="fp32, fp16, bf16 (autocast), bf16-pure [default: fp32]")
+@click.option("--precision", help=PRECISION_HELP)
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), help="[default: none]")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan from `suggest --json` "
               "(its first plan, or --plan-index); options given here override the plan's")
@@ -222,8 +221,8 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
               help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "
               "auto: cuda when there is a GPU, else fake")
-@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps; 2 or more also see the "
-              "steady state (the first step creates the optimizer state)")
+@click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps, at least 2: the "
+              "estimate is the steady state, which the second step reaches (the first creates the optimizer state)")
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
            tiled_mlp, as_json,
            micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
@@ -257,15 +256,16 @@ def gpus(as_json) -> None:
     if as_json:
         _emit_json({"gpus": [p.model_dump(mode="json") for p in profiles]})
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from memplan.cli.report import console
 
     t = Table("name", "GPU", "memory (driver)", "sm", "bf16", "flash", "dense TFLOP/s (fp16/bf16)", "aliases")
     for p in profiles:
         half = p.tflops.get("bf16") or p.tflops.get("fp16") or 0
         t.add_row(p.name, p.full_name, f"{p.memory_bytes / 2**30:.1f} GiB", ".".join(map(str, p.compute_capability)),
                   "yes" if p.bf16 else "no", "yes" if p.flash_attention else "no", f"{half:g}", ", ".join(p.aliases))
-    Console().print(t)
+    console().print(t)
 
 
 @cli.command()
@@ -280,13 +280,14 @@ def models(as_json) -> None:
                                 "model_type": e.spec.model_type, "head": e.spec.head,
                                 "params_total": e.spec.params_total} for e in entries]})
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from memplan.cli.report import console
 
     t = Table("name", "hub id", "type", "default head", "parameters")
     for e in entries:
         t.add_row(e.name, e.hf_id or "", e.spec.model_type, e.spec.head, f"{e.spec.params_total:,}")
-    Console().print(t)
+    console().print(t)
 
 
 def main(argv: list[str] | None = None) -> None:

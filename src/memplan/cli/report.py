@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.estimator.breakdown import MemoryBreakdown
+from memplan.inputs.defaults import line
 from memplan.search.rank import sharding_label
 from memplan.search.suggestion import Suggestion
 
@@ -16,9 +17,14 @@ MIB = 1 << 20
 BAR = 30
 
 
+# the width of output that is not a terminal (a pipe, a file): wide enough that no table column or line is
+# cut or wrapped; rich sizes a table to its content, so nothing is padded to it
+PIPE_WIDTH = 10_000
+
+
 def console() -> Console:
     """A console that does not squeeze tables to 80 columns when the output is a pipe or a file."""
-    return Console() if sys.stdout.isatty() else Console(width=150)
+    return Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
 
 
 def gib(n: float) -> str:
@@ -51,6 +57,7 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     c = console or globals()['console']()
     c.print(f"[bold]{e.model.name}[/] ({e.model.params_total:,} params, {e.model.params_trainable:,} trainable) "
             f"on [bold]{e.gpu}[/]")
+    _defaults(c, e.defaults)
     c.print(_workload_line(e))
     t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     t.add_column("category")
@@ -68,11 +75,11 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     m.add_row("peak reserved", gib(e.peak_reserved_bytes), "torch.cuda.max_memory_reserved()")
     m.add_row("device used", gib(e.device_used_bytes), "NVML / nvidia-smi")
     c.print(m)
-    verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
+    verdict = "[green]fits[/]" if e.headroom_bytes >= 0 else "[red]does not fit[/]"  # the GPU; host RAM below
     c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
             f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
-    if e.cpu_ram_per_node_bytes:
-        c.print(f"offload: {gib(e.cpu_ram_per_node_bytes)} of host RAM per node ({e.workload.gpus} GPUs)")
+    if e.cpu_ram_per_node_bytes or e.host_ram_limit_bytes is not None:
+        c.print(_host_line(e))
     for n in e.notes:
         c.print(f"note: {n}")
 
@@ -81,9 +88,9 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
     c = console or globals()['console']()
     world = s.gpus * s.nodes
     on = f"{world} x [bold]{s.gpu}[/] ({s.nodes} node(s) of {s.gpus})" if world > 1 else f"[bold]{s.gpu}[/]"
-    c.print(f"[bold]{s.model}[/] on {on}, {s.task}: seq {s.seq_len}, global batch {s.global_batch}")
-    if s.defaults:
-        c.print("defaults: " + "; ".join(s.defaults))
+    c.print(f"[bold]{s.model}[/] on {on}, {s.task}: seq {s.seq_len}, global batch {s.global_batch}"
+            + (" (default; --batch-size)" if s.global_batch_default else ""))
+    _defaults(c, s.defaults)
     c.print(f"searched {s.candidates:,} candidates in {s.search_seconds:.2f} s: "
             + "; ".join(f"{k} {'/'.join(v)}" for k, v in s.searched.items()))
     if not s.plans:
@@ -123,10 +130,25 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
         c.print(f"note: {n}")
 
 
+def _defaults(c: Console, said: list[str]) -> None:
+    """The one defaults line (memplan.inputs.defaults), the same in estimate, suggest and verify."""
+    if said:
+        c.print(line(said), markup=False, highlight=False)
+
+
+def _host_line(e: MemoryBreakdown) -> str:
+    pinned = f"offload pins {gib(e.cpu_ram_per_node_bytes)} of host RAM per node ({e.workload.gpus} GPUs)"
+    if e.host_ram_limit_bytes is None:
+        return pinned + "; host RAM not checked"
+    verdict = "[green]fits[/]" if e.host_ram_fits else "[red]does not fit[/]"
+    return f"{pinned}: {verdict} in {gib(e.host_ram_limit_bytes)}"
+
+
 def print_verify(r) -> None:
     """`memplan verify`: each meter predicted vs measured, then the breakdown at the traced peak."""
     c = console()
     c.print(f"[bold]{r.model}[/] on {r.gpu}: {_workload_line(r.estimate)}")
+    _defaults(c, r.defaults)
     c.print(f"ran: [bold]{r.device}[/] ({r.device_note}), {r.steps} steps in {r.run_seconds:.1f} s")
     colour = {"ok": "green", "close": "yellow", "off": "red"}
     t = Table("meter", "predicted", "measured", "error", "verdict", "how measured")
@@ -155,6 +177,8 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
     kernels = train and any(p.kernels or p.tiled_mlp for p in plans)
     if kernels:
         cols += ("kernels",)
+    if train:  # host RAM is a limit like the GPU's: each plan's, per node
+        cols += ("host RAM",)
     t = Table(show_header=True, header_style="bold")
     for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
         t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload", "kernels")
@@ -169,6 +193,8 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
                       p.offload)
         if kernels:
             knobs += ("+".join(k for k, on in (("loss", p.kernels), ("mlp", p.tiled_mlp)) if on) or "-",)
+        if train:
+            knobs += (gib(p.host_ram_per_node_bytes) if p.host_ram_per_node_bytes else "-",)
         t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
                   f"{p.tokens_per_s:,.0f}")
     c.print(t)

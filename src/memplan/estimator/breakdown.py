@@ -51,6 +51,11 @@ class MemoryBreakdown(BaseModel):
     # for all the GPUs of one node (docs/parallel.md).
     cpu_ram_per_node_bytes: int = 0
     params_per_gpu: int = 0  # parameters one GPU holds before ZeRO partitioning (after TP / PP)
+    # the host RAM per node the estimate was held to (--cpu-mem or the default, memplan.inputs.defaults;
+    # None: not checked) and whether what offload pins fits it (`fits` needs both)
+    host_ram_limit_bytes: int | None = None
+    host_ram_fits: bool = True
+    defaults: list[str] = []  # the defaults memplan chose for what was left out (the defaults line)
 
 
 class Peak(NamedTuple):
@@ -84,3 +89,16 @@ def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBrea
         fits=p.device_used <= usable, notes=p.notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
         params_per_gpu=p.params_per_gpu,
     )
+
+
+def with_host_limit(e: MemoryBreakdown, limit: int | None) -> MemoryBreakdown:
+    """The estimate held to `limit` bytes of host RAM per node: host RAM is a limit like the GPU's, so a
+    plan whose offload pins more does not fit."""
+    if limit is None:
+        return e
+    ok = e.cpu_ram_per_node_bytes <= limit
+    notes = e.notes if ok else e.notes + [
+        f"offload pins {e.cpu_ram_per_node_bytes / 2**30:,.0f} GiB of host RAM per node; the node has "
+        f"{limit / 2**30:,.0f} GiB (--cpu-mem)"]
+    return e.model_copy(update={"host_ram_limit_bytes": limit, "host_ram_fits": ok, "fits": e.fits and ok,
+                                "notes": notes})

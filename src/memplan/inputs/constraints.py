@@ -77,7 +77,7 @@ TABLE: tuple[Constraint, ...] = (
        "--grad-ckpt applies to training only", {"task": "infer", "precision": "fp16", "grad_ckpt": "full"}),
     _c("flash-needs-half", "workload", "attn precision",
        lambda w, m, g: w.attn == "flash" and w.precision == "fp32",
-       "flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)", {"attn": "flash"}),
+       "flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)", {"attn": "flash", "precision": "fp32"}),
     _c("tp-pp-divide-world", "workload", "gpus nodes tp pp",
        lambda w, m, g: (w.gpus * w.nodes) % (w.tp * w.pp) != 0,
        lambda w, m, g: f"--tp {w.tp} x --pp {w.pp} must divide the {w.gpus * w.nodes} GPUs",

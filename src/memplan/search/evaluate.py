@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.estimator.breakdown import with_host_limit
 from memplan.estimator.step import cell_peak, evaluate, peak, report
 from memplan.inputs import constraints
+from memplan.inputs.defaults import host_ram as default_host_ram
 from memplan.inputs.workload import Workload
 from memplan.search.cost import StepTime, flops_per_token, inference_throughput, peak_tflops, rates
 from memplan.search.plan import Plan
@@ -22,20 +24,33 @@ from memplan.search.space import Space, bases, divisors, layouts
 class Found(NamedTuple):
     candidates: list[Candidate]  # every candidate that fits
     evaluated: int  # how many were evaluated (all of them: one table per layout)
+    # the least host RAM per node among candidates that fit the GPU but not the host RAM (0: none)
+    host_short: int = 0
+
+
+def host_limit(req: SearchRequest, gpus: int) -> int | None:
+    """Host RAM per node a plan on nodes of `gpus` GPUs may pin: --cpu-mem, else the default
+    (memplan.inputs.defaults.host_ram); None: not checked."""
+    return req.cpu_mem if req.cpu_mem is not None else default_host_ram(req.gpu, gpus)
+
+
+def _least(a: int, b: int) -> int:
+    return min(x for x in (a, b) if x) if a or b else 0
 
 
 def search_pass(req: SearchRequest, sp: Space, notes: list[str] | None = None) -> Found:
     """Every fitting candidate of the space (notes: where to say which layouts the batch rules out)."""
     found: list[Candidate] = []
-    n = 0
+    n = short = 0
     for tp, pp, dp in layouts(req, sp, [] if notes is None else notes):
         per_rank = sp.global_batch // dp
         ws = bases(req, sp, tp, pp, dp)
         if ws:
-            more, m = (_train if req.train else _infer)(req, sp, ws, per_rank)
+            more, m, s = (_train if req.train else _infer)(req, sp, ws, per_rank)
             found += more
             n += m
-    return Found(found, n)
+            short = _least(short, s)
+    return Found(found, n, short)
 
 
 def _usable(req: SearchRequest) -> int:
@@ -64,8 +79,12 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     t = evaluate(spec, gpu, ws, mbs, per_rank)
     valid = np.asarray(constraints.batch_allowed(ws, mbs, per_rank, spec, gpu), dtype=bool)
     fits = valid & (t.device_used <= usable)
-    if req.cpu_mem is not None:
-        fits &= t.cpu_per_gpu * sp.gpus <= req.cpu_mem
+    limit, short = host_limit(req, sp.gpus), 0
+    if limit is not None:  # host RAM is a limit like the GPU's: what offload pins must fit it
+        host = t.cpu_per_gpu * sp.gpus
+        over = fits & (host > limit)
+        short = int(host[over].min()) if over.any() else 0
+        fits &= ~over
     seq_eff = spec.seq_positions if spec.arch == "vision" else sp.seq
     flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp.attns for g in sp.ckpts}
     model_f = [flops[(w.attn, w.grad_ckpt)] for w in ws]  # model FLOPs: no recompute
@@ -77,15 +96,17 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
         w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
         r = rates(w, mb, m, seq_eff, steps[b][k], model_f[b], peak_tf[b], StepTime(*terms[b][k]))
         found.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
-    return Found(found, int(valid.sum()))
+    return Found(found, int(valid.sum()), short)
 
 
 def plan(req: SearchRequest, c: Candidate) -> Plan:
-    """The Plan document of a candidate: its estimate (read from its table cell), and its step time."""
+    """The Plan document of a candidate: its estimate (read from its table cell, with the host RAM it
+    was held to), and its step time."""
     w = c.w
     st = c.step
+    est = report(req.spec, req.gpu, w, _peak(req, c))
     return Plan(workload=w, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
-                estimate=report(req.spec, req.gpu, w, _peak(req, c)),
+                estimate=with_host_limit(est, host_limit(req, w.gpus)),
                 step_seconds=st.total if st else 0.0, step_terms=st._asdict() if st else {})
 
 

@@ -17,7 +17,8 @@ FSDP_EQUIVALENT = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FU
 # The keys of a plan's JSON, in order (`suggest --json`, plan.json; `verify --plan` reads them)
 PLAN_KEYS = ("micro_batch", "grad_accum", "global_batch", "dp", "tp", "pp", "zero_stage", "precision", "optim",
              "grad_ckpt", "attn", "seq_len", "samples_per_s", "tokens_per_s", "mfu", "estimate", "sp", "vpp", "offload",
-             "gpus", "nodes", "fsdp", "kernels", "tiled_mlp", "fsdp_equivalent", "step_seconds", "step_terms")
+             "gpus", "nodes", "fsdp", "kernels", "tiled_mlp", "fsdp_equivalent", "step_seconds", "step_terms",
+             "host_ram_per_node_bytes")
 
 
 def _shown(field: str) -> property:
@@ -61,6 +62,11 @@ class Plan(BaseModel):
     fsdp = _shown("fsdp")
     kernels = _shown("kernels")
     tiled_mlp = _shown("tiled_mlp")
+
+    @property
+    def host_ram_per_node_bytes(self) -> int:
+        """Host RAM that the plan's offload pins on each node (0 without offload)."""
+        return self.estimate.cpu_ram_per_node_bytes
 
     @property
     def fsdp_equivalent(self) -> str | None:
@@ -113,10 +119,13 @@ class Suggestion(BaseModel):
     task: str
     seq_len: int
     global_batch: int
+    global_batch_default: bool = False  # memplan chose it (memplan.inputs.defaults.GLOBAL_BATCH)
     gpus: int = 1
     nodes: int = 1
     objective: str = "throughput"
-    defaults: list[str]  # the defaults memplan chose, said out loud
+    defaults: list[str]  # the defaults memplan chose, said out loud (the line estimate and verify print too)
+    # the host RAM per node a plan may pin (--cpu-mem or the default; None: not checked, or inference)
+    host_ram_limit_bytes: int | None = None
     searched: dict[str, list[str]]
     candidates: int  # evaluated: every setting of every knob, its memory estimated and its step time modelled
     search_seconds: float = 0.0

@@ -9,13 +9,13 @@ from typing import NamedTuple
 from memplan.errors import UserError
 from memplan.estimator.rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
 from memplan.estimator.families import fused_loss_supported, supported_attn, tiled_mlp_supported
-from memplan.inputs import constraints
+from memplan.inputs import constraints, defaults as chosen
+from memplan.inputs.defaults import precision as best_mixed_precision, seq_len as default_seq_len
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload, canonical_optim
 from memplan.search.request import SearchRequest
 
-DEFAULT_GLOBAL_BATCH = 32
 ATTNS = ("flash", "sdpa", "eager", "memplan")
 CKPTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "all")
@@ -53,19 +53,6 @@ class Space(NamedTuple):
         return self.gpus * self.nodes
 
 
-def default_seq_len(spec: ModelSpec, task: str) -> int:
-    if spec.arch == "vision":
-        return spec.seq_positions
-    cap = 2048 if spec.arch == "decoder" else 512
-    return min(spec.max_position or cap, cap)
-
-
-def best_mixed_precision(gpu: GPUProfile, task: str) -> str:
-    if task == "infer":
-        return "bf16-pure" if gpu.bf16 else "fp16-pure"
-    return "bf16" if gpu.bf16 else "fp16"
-
-
 def supported_precisions(gpu: GPUProfile, task: str) -> list[str]:
     return [p for p in (TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS) if gpu.bf16 or "bf16" not in p]
 
@@ -74,16 +61,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x) -> list[str]:
+def _parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x,
+                  known: Iterable[str] | None = None) -> list[str]:
+    """None: the default; 'any': every value; else a comma list of names, each one of `known` (the
+    names that exist; `every` unless given: a name that exists but cannot run here is left to the
+    constraints table, which says why)."""
     if value is None:
         return default
     if str(value).strip().lower() == "any":
         return list(every)
+    names = list(every if known is None else known)
     out = []
     for item in str(value).split(","):
         item = canon(item.strip().lower())
-        if item not in every:
-            raise UserError(f"unknown {what} {item!r} (choose from {', '.join(every)}, or 'any')")
+        if item not in names:
+            raise UserError(f"unknown {what} {item!r} (choose from {', '.join(names)}, or 'any')")
         out.append(item)
     return out
 
@@ -103,18 +95,10 @@ def _parse_ints(value, every: list[int], what: str) -> list[int]:
 
 
 def defaults(req: SearchRequest) -> list[str]:
-    """The defaults memplan chooses for what the request leaves open, said out loud."""
-    out = []
-    if req.seq_len is None:
-        out.append(f"seq-len {default_seq_len(req.spec, req.task)} "
-                   f"({'image patches + CLS' if req.spec.arch == 'vision' else 'model maximum, capped'})")
-    if req.global_batch is None:
-        out.append(f"global batch {DEFAULT_GLOBAL_BATCH} sequences")
-    if req.precision is None:
-        out.append(f"precision {best_mixed_precision(req.gpu, req.task)} (best mixed precision {req.gpu.name} supports)")
-    if req.train and req.optim is None:
-        out.append("optimizer adamw_torch_fused (HF Trainer's default)")
-    return out
+    """The defaults memplan chooses for what the request leaves open, said out loud: the line estimate
+    and verify print for the same question (memplan.inputs.defaults)."""
+    given = {k: getattr(req, k) for k in ("task", "seq_len", "precision", "optim", "kernels", "tiled_mlp", "cpu_mem")}
+    return chosen.choose(req.spec, req.gpu, given, gpus=req.gpus).said
 
 
 def space(req: SearchRequest) -> Space:
@@ -122,29 +106,40 @@ def space(req: SearchRequest) -> Space:
     values the user named that the constraints table refuses (as estimate would), rather than a search
     where nothing fits."""
     sp = _values(req)
+    asked = {k: getattr(sp, v) for k, v in KNOBS.items() if _named(getattr(req, k))}
     named = constraints.Draft(task=req.task, gpus=req.gpus, nodes=req.nodes)
-    named |= {k: getattr(sp, v)[0] for k, v in KNOBS.items() if getattr(req, k) is not None and len(getattr(sp, v)) == 1}
+    named |= {k: values[0] for k, values in asked.items() if len(values) == 1}
+    # each value of a list the user named must run with the single values named beside it
+    for k, values in asked.items():
+        for v in values:
+            draft = constraints.Draft(named.fields(), **{k: v})
+            c = constraints.first_violation(draft, req.spec, req.gpu,
+                                            [c for c in constraints.TABLE if k in c.reads and c.reads <= draft.keys()])
+            if c is not None:
+                raise UserError(c.text(draft, req.spec, req.gpu))
     c = constraints.first_violation(named, req.spec, req.gpu, [c for c in constraints.TABLE if c.reads <= named.keys()])
     if c is not None:
         raise UserError(c.text(named, req.spec, req.gpu))
     return sp
 
 
+def _named(value) -> bool:
+    """The user named the values (not left to memplan, not 'any')."""
+    return value is not None and str(value).strip().lower() != "any"
+
+
 def _values(req: SearchRequest) -> Space:
     spec, gpu, train, world = req.spec, req.gpu, req.train, req.gpus * req.nodes
     # memplan's tiled attention saves what SDPA and FlashAttention-2 save: searched when asked (--attn)
     attns = [a for a in supported_attn(spec) if (a != "flash" or gpu.flash_attention) and a != "memplan"]
-    # the fused loss and the tiled MLP are searched on one GPU where memplan.kernels.apply can patch the
-    # model (the logits weigh most there; the tiled MLP costs an MLP forward, so it pays only where memory
-    # is short); over several GPUs when asked, to keep the search fast
-    alone = train and world == 1
     return Space(
-        seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or DEFAULT_GLOBAL_BATCH,
+        seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or chosen.GLOBAL_BATCH,
         gpus=req.gpus, nodes=req.nodes,
         precisions=_parse_choice(req.precision, supported_precisions(gpu, req.task),
-                                 [best_mixed_precision(gpu, req.task)], "precision"),
-        optims=_parse_choice(req.optim, list(OPTIMIZERS), ["adamw_torch_fused"], "optimizer", canonical_optim)
-        if train else ["adamw_torch_fused"],
+                                 [best_mixed_precision(gpu, req.task)], "precision",
+                                 known=TRAIN_PRECISIONS if train else INFER_PRECISIONS),
+        optims=_parse_choice(req.optim, list(OPTIMIZERS), [chosen.OPTIM], "optimizer", canonical_optim)
+        if train else [chosen.OPTIM],
         ckpts=_parse_choice(req.grad_ckpt, CKPTS, list(CKPTS) if train else ["none"], "checkpointing"),
         attns=_parse_choice(req.attn, ATTNS, attns, "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a)),
         tps=_parse_ints(req.tp, divisors(req.gpus) if train else [1], "tp"),
@@ -157,11 +152,19 @@ def _values(req: SearchRequest) -> Space:
         # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
         fsdps=_parse_choice(req.fsdp, FSDPS, list(FSDPS) if train and req.zero is None and world > 1 else ["none"],
                             "fsdp"),
-        kernels=[req.kernels] if req.kernels is not None else
-        ([False, True] if alone and fused_loss_supported(spec) else [False]),
-        tiled=[req.tiled_mlp] if req.tiled_mlp is not None else
-        ([False, True] if alone and tiled_mlp_supported(spec) else [False]),
+        kernels=[chosen.KERNELS] if req.kernels is None else [req.kernels],
+        tiled=[chosen.TILED_MLP] if req.tiled_mlp is None else [req.tiled_mlp],
     )
+
+
+def kernel_options(req: SearchRequest, sp: Space) -> tuple[list[bool], list[bool]]:
+    """The kernels' settings an alternative may try where the user left them to memplan: on one GPU,
+    where memplan.kernels.apply can patch the model (the logits weigh most there; the tiled MLP costs an
+    MLP forward, so it pays only where memory is short)."""
+    alone = req.train and sp.world == 1
+    fused = req.kernels is None and alone and fused_loss_supported(req.spec)
+    tiled = req.tiled_mlp is None and alone and tiled_mlp_supported(req.spec)
+    return (sp.kernels + [True] if fused else sp.kernels), (sp.tiled + [True] if tiled else sp.tiled)
 
 
 def layouts(req: SearchRequest, sp: Space, notes: list[str]) -> Iterator[tuple[int, int, int]]:

@@ -22,15 +22,16 @@ import gc
 import time
 from typing import Any, NamedTuple
 
+from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
-from memplan.search.evaluate import Found, host_ram, plan, search_pass
+from memplan.search.evaluate import Found, host_limit, host_ram, plan, search_pass
 from memplan.search.plan import FSDP_EQUIVALENT, Alternative, Plan, Suggestion  # noqa: F401  (their old home)
 from memplan.search.rank import Candidate, distinct, explain, pareto, rank_key
 from memplan.search.request import OBJECTIVES, SearchRequest  # noqa: F401
 from memplan.search.space import (  # noqa: F401  (best_mixed_precision, default_seq_len: their old home)
-    Space, best_mixed_precision, default_seq_len, defaults, divisors, space, supported_precisions,
+    Space, best_mixed_precision, default_seq_len, defaults, divisors, kernel_options, space, supported_precisions,
 )
 
 # what the user keeps closed, and the option that would open it (said when nothing fits)
@@ -63,6 +64,7 @@ class Searched(NamedTuple):
     found: list[Candidate]  # ranked
     evaluated: int
     space: Space  # the space of the plans shown (its gpus / nodes: the world they run on)
+    host_short: int = 0  # the least host RAM per node that would have let a GPU-fitting plan fit (0: none)
 
 
 @_without_gc
@@ -75,13 +77,18 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     found, sp = s.found, s.space
     notes += plan_notes(req, found, sp)
     alternatives, n = alternatives_of(req, sp, found)
+    kernel_alt, k = kernels_alternative(req, sp, found)
+    alternatives += kernel_alt
     if not found:
-        notes.append(nothing_fits(req, sp))
+        notes.append(nothing_fits(req, sp, s.host_short))
     whole_front = pareto(found)
     return Suggestion(
-        model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch, gpus=sp.gpus,
+        model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
+        global_batch_default=req.global_batch is None, gpus=sp.gpus,
         nodes=sp.nodes, objective=req.objective, defaults=defaults(req), searched=searched(sp, req.gpus * req.nodes),
-        candidates=s.evaluated + n, search_seconds=time.perf_counter() - t0, plans=[plan(req, c) for c in distinct(found, req.top)],
+        host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
+        candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
+        plans=[plan(req, c) for c in distinct(found, req.top)],
         pareto=[plan(req, c) for c in whole_front[:12]], pareto_size=len(whole_front),
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
 
@@ -94,22 +101,22 @@ def run_passes(req: SearchRequest, full: Space, notes: list[str]) -> Searched:
     deepspeed_later = (full.world == 1 and req.train and req.zero is None and req.offload is None
                        and req.fsdp is None)
     sp = full._replace(zeros=[0], offloads=["none"]) if deepspeed_later else full
-    found, n = search_pass(req, sp, notes)
+    found, n, short = search_pass(req, sp, notes)
     if deepspeed_later and not found:
-        found, m = search_pass(req, full._replace(zeros=[1, 2, 3]), notes)
+        found, m, short = search_pass(req, full._replace(zeros=[1, 2, 3]), notes)
         n, sp = n + m, full
         if found:
             notes.append("the plain Trainer does not fit one GPU: DeepSpeed ZeRO with offload does")
     if req.objective == "min-gpus" and found:
         for g, nn in _smaller_worlds(sp.gpus, sp.nodes):
             smaller = sp._replace(gpus=g, nodes=nn)
-            f2, m = search_pass(req, smaller)
+            f2, m, _ = search_pass(req, smaller)
             n += m
             if f2:
                 found, sp = f2, smaller
                 break
     found.sort(key=lambda c: rank_key(c, req.objective))
-    return Searched(found, n, sp)
+    return Searched(found, n, sp, short)
 
 
 def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space) -> list[str]:
@@ -129,9 +136,9 @@ def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space) -> list[st
         out.append(f"fewest GPUs that fit: {sp.world} ({sp.nodes} node(s) of {sp.gpus})")
     shown = found[:req.top]
     if any(c.base.offload != "none" for c in shown):
-        need = max(host_ram(req, c) for c in shown)
+        need, limit = max(host_ram(req, c) for c in shown), host_limit(req, sp.gpus)
         out.append(f"offload pins up to {need / 2**30:,.0f} GiB of host RAM per node"
-                   + ("" if req.cpu_mem else " (not checked: give --cpu-mem)"))
+                   + (" (not checked: give --cpu-mem)" if limit is None else f", of {limit / 2**30:,.0f} GiB"))
     return out
 
 
@@ -154,12 +161,11 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
     layout = sp if best is None else sp._replace(
         tps=[best.base.tp], pps=[best.base.pp], zeros=[best.base.zero], offloads=[best.base.offload],
         sps=[best.base.sp], vpps=[best.base.vpp], fsdps=[best.base.fsdp])
-    wider, n = search_pass(req, layout._replace(
+    wider, n, _ = search_pass(req, layout._replace(
         precisions=sp.precisions if req.precision is not None else supported_precisions(req.gpu, req.task),
         optims=sp.optims if req.optim is not None else ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]))
     wider.sort(key=lambda c: rank_key(c, req.objective))
-    mine = (best.base.precision, best.base.optim) if best else (best_mixed_precision(req.gpu, req.task),
-                                                                 "adamw_torch_fused")
+    mine = (best.base.precision, best.base.optim) if best else (best_mixed_precision(req.gpu, req.task), OPTIM)
     out: list[Alternative] = []
     seen = {mine} if best else set()
     for c in wider:
@@ -175,6 +181,34 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
         if len(out) == 3:
             break
     return out, n
+
+
+def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -> tuple[list[Alternative], int]:
+    """memplan's kernels are off unless asked (they need memplan.kernels.apply in the training script):
+    where they would fit a plan when nothing else does, or beat the best plan by more than 1 %, say so."""
+    fused, tiled = kernel_options(req, sp)
+    if not req.train or (fused, tiled) == (sp.kernels, sp.tiled):
+        return [], 0
+    best = found[0] if found else None
+    # one GPU (kernel_options): as run_passes, the plain Trainer first (the kernels may spare DeepSpeed),
+    # DeepSpeed only where it does not fit
+    plain = req.zero is None and req.offload is None and req.fsdp is None
+    n, with_kernels = 0, []
+    for space_ in ([sp._replace(zeros=[0], offloads=["none"])] if plain else []) + [sp]:
+        wider, m, _ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
+        n += m
+        with_kernels = sorted((c for c in wider if c.base.kernels or c.base.tiled_mlp),
+                              key=lambda c: rank_key(c, req.objective))
+        if with_kernels:
+            break
+    c = with_kernels[0] if with_kernels else None
+    if c is None or (best is not None and c.samples_per_s <= best.samples_per_s * 1.01):
+        return [], n
+    change = " ".join(opt for opt, on in (("--kernels", c.base.kernels), ("--tiled-mlp", c.base.tiled_mlp)) if on)
+    gain = (f"{c.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {c.mb}" if best
+            else f"fits with micro batch {c.mb}")
+    call = f"memplan.kernels.apply(model, loss={c.base.kernels}, mlp={c.base.tiled_mlp}) in the training script"
+    return [Alternative(change=change, gain=f"{gain}; needs {call}", plan=plan(req, c))], n
 
 
 def searched(sp: Space, world: int) -> dict[str, list[str]]:
@@ -213,10 +247,14 @@ def _larger_worlds(gpus: int, nodes: int):
         yield g, nn
 
 
-def nothing_fits(req: SearchRequest, sp: Space) -> str:
-    """Say what would fit: the fewest GPUs of this kind (doubling the nodes, up to 4096 GPUs), or the
-    knob the user kept closed."""
+def nothing_fits(req: SearchRequest, sp: Space, host_short: int = 0) -> str:
+    """Say what would fit: more host RAM, the fewest GPUs of this kind (doubling the nodes, up to 4096
+    GPUs), or the knob the user kept closed."""
     msg = f"nothing fits on {sp.world} x {req.gpu.name} with micro batch 1"
+    limit = host_limit(req, sp.gpus)
+    if host_short and limit is not None:
+        msg += (f"; offload would fit with {host_short / 2**30:,.0f} GiB of host RAM per node "
+                f"(the node has {limit / 2**30:,.0f} GiB: --cpu-mem)")
     if req.train:
         gb = sp.global_batch
         for g, nn in _larger_worlds(sp.gpus, sp.nodes):

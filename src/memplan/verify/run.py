@@ -26,7 +26,6 @@ from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.estimator.rules import PRECISIONS
 from memplan.inputs.workload import Workload
 
-DEFAULT_GPU = "a100-80g"  # verify without --gpu off a GPU: the profile the fake / cpu trace assumes
 OOM_EXIT = 3  # `memplan verify` exit code when the real run ran out of GPU memory (docs/verify.md)
 TOLERANCE = {"ok": 5.0, "close": 10.0}  # |error| % -> verdict; above: "off"
 # The tracer's categories that the estimate folds into another (the batch is counted with activations).
@@ -53,6 +52,7 @@ class VerifyReport(BaseModel):
     gpu: str
     workload: Workload
     steps: int
+    defaults: list[str] = []  # the defaults memplan chose (the line estimate and suggest print too)
     meters: list[MeterCheck]
     breakdown: dict[str, dict[str, int]]  # category -> {"predicted": .., "measured": ..}
     peak_phase: str
@@ -424,8 +424,8 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         progress: bool = False, **given: Any) -> VerifyReport:
     """Resolve the plan, run it on `device`, compare with the estimate (the API behind `memplan verify`)."""
     from memplan import api
+    from memplan.inputs import defaults
     from memplan.inputs.catalog import resolve_config
-    from memplan.search.suggestion import default_seq_len
 
     work: dict[str, Any] = {}
     if plan_file:
@@ -433,24 +433,23 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         model, gpu = model or p_model, gpu or p_gpu
     if not model:
         raise UserError("verify needs --model (or --plan FILE)")
-    if steps < 1:
-        raise UserError("--steps must be at least 1")
+    if steps < defaults.VERIFY_MIN_STEPS:  # compare like with like: the estimate is the steady state
+        raise UserError(f"--steps {steps}: verify compares the steady state, which the second step reaches (the "
+                        f"first creates the optimizer state); use --steps {defaults.VERIFY_MIN_STEPS} or more")
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "fake"
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible to torch (use --device fake or cpu)")
-    notes = []
+    said = []
     if not gpu:  # the GPU in hand, or the profile whose attention kernels and context the trace assumes
-        gpu = "auto" if device == "cuda" else DEFAULT_GPU
-        if device != "cuda":
-            notes.append(f"no --gpu given: the trace assumes {DEFAULT_GPU} (its attention kernels and CUDA context)")
+        gpu, item = defaults.verify_gpu(device)
+        said.append(item)
     work.update({k: v for k, v in given.items() if v is not None})
     if work.get("task", "train") != "train":
         raise UserError("verify runs training steps; --task infer is not verified yet")
     spec, prof = api.resolve_spec(model, head, trust_remote_code), api.resolve_gpu(gpu)
-    work.setdefault("seq_len", default_seq_len(spec, "train"))
     est = api.estimate(spec, prof, **work)
     w = est.workload
     if w.world > 1 or w.zero or w.fsdp != "none":
@@ -472,5 +471,4 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     finally:
         bar.close()
     report = compare(est, device, result, w, steps, prof.cuda_context_bytes, note)
-    report.notes[:0] = notes
-    return report
+    return report.model_copy(update={"defaults": said + est.defaults})

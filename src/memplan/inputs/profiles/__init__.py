@@ -25,10 +25,12 @@ from memplan.errors import UserError
 __all__ = [
     "DTYPES",
     "GPUProfile",
+    "HostRAM",
     "list_gpus",
     "load_gpu",
     "load_profile_file",
     "profile_from_nvml",
+    "read_host_ram",
     "read_nvml",
 ]
 
@@ -37,6 +39,32 @@ DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 
 MIB = 2**20
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class HostRAM(BaseModel):
+    """The host RAM a GPU usually comes with: what offload to the CPU (DeepSpeed) may pin. Either per GPU,
+    from a stated typical host (a cloud instance, a DGX), or per node, read from this machine (``auto``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    per_gpu_bytes: int | None = Field(None, gt=0)
+    """The host's RAM divided by its GPUs (a node of n GPUs: n times this)."""
+    per_node_bytes: int | None = Field(None, gt=0)
+    """The whole RAM of this machine, whatever --gpus says (``--gpu auto``)."""
+    host: str
+    """The host the figure comes from, said in memplan's defaults line."""
+    source: str
+    """Where the figure is published, or how it was read."""
+
+    @model_validator(mode="after")
+    def _one(self) -> HostRAM:
+        if (self.per_gpu_bytes is None) == (self.per_node_bytes is None):
+            raise ValueError("give per_gpu_bytes or per_node_bytes")
+        return self
+
+    def per_node(self, gpus: int) -> int:
+        """Bytes of host RAM on a node of `gpus` GPUs."""
+        return self.per_node_bytes if self.per_node_bytes is not None else self.per_gpu_bytes * gpus
 
 
 class GPUProfile(BaseModel):
@@ -79,6 +107,8 @@ class GPUProfile(BaseModel):
     sources: list[str]
     """Where each fact comes from (datasheet / whitepaper titles and URLs)."""
     notes: str = ""
+    host_ram: HostRAM | None = None
+    """The typical host's RAM (docs/gpus.md); None: not known, host RAM is checked only with --cpu-mem."""
 
     # ----------------------------------------------------------------- validation
     @field_validator("name")
@@ -258,7 +288,9 @@ def load_gpu(name: str) -> GPUProfile:
     key = raw.lower()
     if key == "auto":
         nvml_name, total, cc = read_nvml()
-        return profile_from_nvml(nvml_name, total, cc)
+        prof = profile_from_nvml(nvml_name, total, cc)
+        host = read_host_ram()  # the GPU in this machine runs with this machine's RAM
+        return prof if host is None else prof.model_copy(update={"host_ram": host})
     profiles, index = _registry()
     if key in index:
         return profiles[index[key]]
@@ -390,6 +422,19 @@ def _unknown_profile(
 
 def _headline_tflops(p: GPUProfile) -> float:
     return p.tflops.get("bf16") or p.tflops.get("fp16") or p.tflops["fp32"]
+
+
+def read_host_ram() -> HostRAM | None:
+    """This machine's physical memory (the kernel's MemTotal, as sysconf reports it), or None where the
+    platform does not say (psutil is not a dependency)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    if total <= 0:
+        return None
+    return HostRAM(per_node_bytes=total, host="this machine",
+                   source="os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') (the kernel's MemTotal)")
 
 
 def read_nvml() -> tuple[str, int, tuple[int, int] | None]:
