@@ -290,13 +290,11 @@ def test_profiles_are_frozen():
         load_gpu("h100").memory_bytes = 1
 
 
-def test_import_is_fast_and_torch_free():
-    code = (
-        "import sys, time; t = time.perf_counter(); import memplan.inputs.profiles as p; p.list_gpus(); "
-        "p.load_gpu('h100'); print(time.perf_counter() - t); assert 'torch' not in sys.modules"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(out.stdout.strip()) < 1.0
+def test_profiles_load_without_torch():
+    """Loading profiles imports no torch (timings belong in benchmarks/, not in a unit test)."""
+    code = ("import sys; import memplan.inputs.profiles as p; p.list_gpus(); p.load_gpu('h100'); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_docs_table_lists_every_profile():
