@@ -107,10 +107,12 @@ def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
 
 
 def _cpu_mem(gib: float | None) -> int | None:
+    """--cpu-mem GiB as bytes, inside constraints.BOUNDS["cpu_mem"] (NaN and infinities refused)."""
+    from memplan.inputs.constraints import check_bound
+
     if gib is None:
         return None
-    if gib <= 0:
-        raise UserError("--cpu-mem must be positive (GiB per node)")
+    check_bound("cpu_mem", gib * 2**30)
     return int(gib * 2**30)
 
 
@@ -142,7 +144,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
     prof = api.resolve_gpu(gpu)
     if precision is None:
         precision = "fp32" if task == "train" else best_mixed_precision(prof, task)
-    est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=seq_len or default_seq_len(spec, task),
+    est = api.estimate(spec, prof, task=task, micro_batch=micro_batch, seq_len=default_seq_len(spec, task) if seq_len is None else seq_len,
                        grad_accum=grad_accum, precision=precision, optim=optim, momentum=_momentum(optim_args),
                        grad_ckpt=grad_ckpt, attn=attn, max_new_tokens=max_new_tokens, beams=beams,
                        zero_grad=zero_grad, headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,

@@ -81,7 +81,10 @@ def _parse_choice(value, every: Iterable[str], default: list[str], what: str, ca
         return list(every)
     out = []
     for item in str(value).split(","):
-        item = canon(item.strip().lower())
+        try:
+            item = canon(item.strip().lower())
+        except ValueError as e:  # canonical_optim's "unknown optimizer ..."
+            raise UserError(str(e)) from None
         if item not in every:
             raise UserError(f"unknown {what} {item!r} (choose from {', '.join(every)}, or 'any')")
         out.append(item)
@@ -122,11 +125,10 @@ def space(req: SearchRequest) -> Space:
     values the user named that the constraints table refuses (as estimate would), rather than a search
     where nothing fits."""
     sp = _values(req)
-    named = constraints.Draft(task=req.task, gpus=req.gpus, nodes=req.nodes)
-    named |= {k: getattr(sp, v)[0] for k, v in KNOBS.items() if getattr(req, k) is not None and len(getattr(sp, v)) == 1}
-    c = constraints.first_violation(named, req.spec, req.gpu, [c for c in constraints.TABLE if c.reads <= named.keys()])
-    if c is not None:
-        raise UserError(c.text(named, req.spec, req.gpu))
+    fixed = dict(req.common(), gpus=req.gpus, nodes=req.nodes, seq_len=sp.seq, max_new_tokens=0)  # no generation
+    problem = constraints.refusal(fixed, {k: getattr(sp, v) for k, v in KNOBS.items()}, req.spec, req.gpu)
+    if problem:
+        raise UserError(problem)
     return sp
 
 
