@@ -95,3 +95,22 @@ def test_a_plan_is_its_workload_with_the_flat_json_keys():
         assert (doc["micro_batch"], doc["grad_accum"], doc["zero_stage"], doc["dp"], doc["global_batch"]) == (
             w.micro_batch, w.grad_accum, w.zero, w.dp, 16)
         assert "workload" not in doc  # the JSON keeps the flat keys launchers and `verify --plan` read
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: memplan.estimate("llama-3.1-8b", "a100", micro_batchs=8, precison="bf16"),
+     "estimate() got an unknown keyword 'micro_batchs'; did you mean 'micro_batch'?"),
+    (lambda: memplan.suggest("gpt2", "a100", global_bach=8), "did you mean 'global_batch'?"),
+    (lambda: memplan.suggest("gpt2", "a100", precison="bf16"), "did you mean 'precision'?"),
+    (lambda: memplan.estimate("gpt2", "a100", micro_batch="8"), "micro_batch: Input should be a valid integer, got str '8'"),
+    (lambda: memplan.estimate("gpt2", "a100", gpus=2.0), "gpus: Input should be a valid integer, got float 2.0"),
+    (lambda: memplan.suggest("gpt2", "a100", gpus=2.0), "--gpus: Input should be a valid integer, got float 2.0"),
+    (lambda: memplan.suggest("gpt2", "a100", global_batch="8"), "--batch-size: Input should be a valid integer"),
+    (lambda: memplan.estimate(None, "a100"), "model: expected str, got NoneType"),
+    (lambda: memplan.estimate("gpt2", 80), "gpu: expected str, got int"),
+    (lambda: memplan.workload(seq_lenn=4), "workload() got an unknown keyword 'seq_lenn'; did you mean 'seq_len'?"),
+])
+def test_the_api_refuses_misspelled_keywords_and_wrong_types(call, says):
+    with pytest.raises(UserError) as e:
+        call()
+    assert says in str(e.value) and "\n" not in str(e.value)
