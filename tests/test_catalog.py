@@ -135,6 +135,7 @@ def test_hub_id_through_transformers(monkeypatch):
 
     cfg = load_config(get_entry("gpt2").config)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, **kw: cfg)
+    monkeypatch.setattr(catalog, "hub_reachable", lambda: True)
     spec = resolve_model("someone/gpt2-copy")
     assert (spec.name, spec.hf_id, spec.params_total) == ("someone/gpt2-copy", "someone/gpt2-copy", 124_439_808)
 

@@ -103,3 +103,99 @@ def test_suggest_multi_gpu_json_and_why():
     r = run("suggest", "-m", "llama-3.1-8b", "-g", "a100-40g", "--gpus", "8", "--seq-len", "2048",
             "--batch-size", "64")
     assert r.returncode == 0 and "why this plan" in r.stdout and "Pareto front" in r.stdout
+
+
+# -- issue 14's "Bad input": every reproducer refused in one line, exit 2, within 5 s -------------------
+HUGE = str(2**63)
+LONG = "x" * 300
+REPRODUCERS = [  # (command line, what the one line says)
+    ("suggest -m gpt2 -g a100 --optim galore_adamw", "unknown optimizer 'galore_adamw'"),
+    ("suggest -m gpt2 -g a100 --optim ,", "unknown optimizer ''"),
+    ("estimate -m gpt2 -g a100 --cpu-mem nan", "--cpu-mem: must be a finite number"),
+    ("suggest -m gpt2 -g a100 --cpu-mem inf", "--cpu-mem: must be a finite number"),
+    ("estimate -m gpt2 -g a100 --cpu-mem 1e300", "--cpu-mem: must be a finite number"),
+    ("estimate -m gpt2 -g a100 --headroom inf", "headroom: Input should be a finite number"),
+    ("suggest -m gpt2 -g a100 --headroom inf", "--headroom: Input should be a finite number"),
+    ("estimate -m gpt2 -g a100 --pp 0", "pp: must be at least 1"),
+    ("estimate -m gpt2 -g a100 --tp 0", "tp: must be at least 1"),
+    ("estimate -m gpt2 -g a100 --vpp 0", "vpp: must be at least 1"),
+    (f"estimate -m gpt2 -g a100 --seq-len {HUGE}", "seq_len: 9,223,372,036,854,775,808 is over memplan's bound"),
+    (f"estimate -m llama-3.1-8b -g a100 --task infer --max-new-tokens {HUGE}", "max_new_tokens: "),
+    ("estimate -m gpt2 -g a100 -b 99999999999999999999", "micro_batch: "),
+    (f"estimate -m {LONG} -g a100", "unknown model"),
+    (f"suggest -m gpt2 -g {LONG}", "unknown GPU"),
+    ("suggest -m gpt2 -g a100 --batch-size 1000000000", "--batch-size: 1,000,000,000 is over memplan's bound"),
+    (f"suggest -m gpt2 -g a100 --gpus {HUGE}", "--gpus: "),
+    ("estimate -m gpt2 -g a100 -b 100000000", "micro_batch: 100,000,000 is over"),
+    ("suggest -m gpt2 -g a100 --zero 5", "unknown zero '5'"),
+    ("suggest -m gpt2 -g a100 --tp 3", "--tp 3 x --pp 1 must divide the 1 GPUs"),
+    ("suggest -m gpt2 -g a100 --tp -2 --gpus 2", "--tp: a degree is at least 1"),
+    ("suggest -m gpt2 -g a100 --gpus 2 --tp 16", "--tp 16 x --pp 1 must divide the 2 GPUs"),
+    ("suggest -m gpt2 -g a100 --pp 3 --gpus 2", "--tp 1 x --pp 3 must divide the 2 GPUs"),
+    ("suggest -m gpt2 -g a100 --pp -1", "--pp: a degree is at least 1"),
+    ("suggest -m gpt2 -g a100 --headroom 1.5", "--headroom: "),
+    ("suggest -m gpt2 -g a100 --headroom -0.1", "--headroom: "),
+    ("suggest -m gpt2 -g a100 --net-gbs 0", "--net-gbs: "),
+    ("suggest -m gpt2 -g a100 --net-gbs -1", "--net-gbs: "),
+    ("suggest -m gpt2 -g a100 --net-gbs nan", "--net-gbs: Input should be a finite number"),
+    ("suggest -m gpt2 -g a100 --optim sgd --optim-args momentum=-1", "--momentum: "),
+    ("estimate -m gpt2 -g a100 --seq-len 0", "seq_len: must be at least 1, got 0"),
+    ("estimate -m gpt2 -g a100 -b 0", "micro_batch: must be at least 1, got 0"),
+    ("suggest -m gpt2 -g a100 --seq-len 0", "--seq-len: must be at least 1, got 0"),
+    ("suggest -m gpt2 -g a100 --batch-size 0", "--batch-size: must be at least 1, got 0"),
+    ("estimate -m llama-3.1-8b -g a100 --seq-len 100000000", "seq_len: 100,000,000 is over memplan's bound"),
+    ("suggest -m llama-3.1-8b -g a100 --seq-len 100000000", "--seq-len: 100,000,000 is over memplan's bound"),
+    ("estimate -m gpt2 -g a100 --seq-len 2048", "--seq-len 2,048 exceeds gpt2's 1,024 learned positions"),
+    ("estimate -m gpt2 -g a100 --task infer --seq-len 1000 --max-new-tokens 100", "+ --max-new-tokens 100 exceeds"),
+    ("estimate -m vit-base -g a100 --seq-len 1000", "vit-base reads a 224x224 image as 197 tokens"),
+    ("suggest -m vit-base -g a100 --seq-len 1000", "vit-base reads a 224x224 image as 197 tokens"),
+    ("suggest -m gpt2 -g a100 --sp on", "--sp (sequence parallel) needs --tp > 1"),
+    ("estimate -m gpt2 -g a100 -b 4097 --seq-len 1024", "micro batch 4,097 x 1 beams x 1,024 tokens is over"),
+]
+
+
+@pytest.mark.parametrize("line, says", REPRODUCERS, ids=[r[0][:60] for r in REPRODUCERS])
+def test_issue_14_reproducers_exit_2_with_one_line(memplan_cli, line, says):
+    import time
+
+    t0 = time.perf_counter()
+    r = memplan_cli(*line.split())
+    assert time.perf_counter() - t0 < 5
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.stdout[-300:], r.stderr)
+    assert says in r.stderr
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"hidden_size": -256}, "config 'hidden_size' is -256"),
+    ({"num_attention_heads": 3}, "3 attention heads do not divide the hidden size 256"),
+    ({"hidden_size": "abc"}, "config 'hidden_size' must be an integer, got 'abc'"),
+    ({"num_hidden_layers": 10_000}, "config 'num_hidden_layers' is 10,000"),
+    ({"num_key_value_heads": 3}, "3 key-value heads do not divide the 4 attention heads"),
+])
+def test_bad_config_json_is_refused_before_transformers(memplan_cli, tmp_path, config, says):
+    base = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **config}))
+    r = memplan_cli("estimate", "-m", str(tmp_path / "config.json"), "-g", "a100")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def test_gpt2_config_with_a_string_width(memplan_cli, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "abc", "n_head": 4}))
+    r = memplan_cli("estimate", "-m", str(tmp_path / "config.json"), "-g", "a100")
+    assert r.returncode == 2 and "config 'n_embd' must be an integer, got 'abc'" in r.stderr
+
+
+def test_a_hub_id_offline_fails_fast_in_one_line():
+    """No network: one line within a few seconds (transformers' retries took 28-34 s), and no transformers
+    import when the config is not cached. A fresh process: the CLI as a user runs it."""
+    import os
+    import time
+
+    env = dict(os.environ, HF_HUB_OFFLINE="0", HTTPS_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "memplan", "estimate", "-m", "someorg/not-a-model", "-g", "a100"],
+                       capture_output=True, text=True, env=env)
+    assert time.perf_counter() - t0 < 5
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "the Hugging Face hub is unreachable (offline)" in r.stderr

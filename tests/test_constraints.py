@@ -82,3 +82,50 @@ def test_search_enumerator_tests_each_entry_once_its_fields_are_set():
     assert [(a["tp"], a["pp"]) for a in got] == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]
     # an entry reading a field that is never set is left to the caller (the micro batch rule here)
     assert all("grad_accum" not in a for a in got)
+
+
+# -- bounds (constraints.BOUNDS): refused past them, and inside int64 at them ---------------------------
+@pytest.mark.parametrize("name", constraints.BOUNDS)
+def test_each_bound_refuses_past_its_ends_and_non_finite_numbers(name):
+    b = constraints.BOUNDS[name]
+    assert b.why and b.unit
+    assert constraints.bound_problem(name, b.low) is None and constraints.bound_problem(name, b.high) is None
+    assert "at least" in constraints.bound_problem(name, b.low - 1)
+    assert "over memplan's bound" in constraints.bound_problem(name, b.high + 1)
+    assert "finite" in constraints.bound_problem(name, float("nan"))
+    if name in Workload.model_fields:
+        with pytest.raises(ValueError, match="over memplan's bound"):
+            Workload(**{name: b.high + 1})
+
+
+@pytest.mark.parametrize("fixed, choices, says", [
+    ({"gpus": 8, "nodes": 1}, {"tp": [3], "pp": [1, 2, 4, 8]}, "--tp 3 x --pp 1 must divide the 8 GPUs"),
+    ({"gpus": 1, "nodes": 1}, {"sp": [True], "tp": [1]}, "--sp (sequence parallel) needs --tp > 1"),
+    ({"gpus": 8, "nodes": 1}, {"sp": [True], "tp": [1, 2]}, None),  # some layout has TP: allowed
+    ({"gpus": 2, "nodes": 1, "task": "train"}, {"zero": [0, 1], "offload": ["all"]}, "--offload all"),
+])
+def test_suggest_refuses_a_named_value_no_candidate_could_use(fixed, choices, says):
+    spec, gpu = memplan.resolve_model("gpt2"), memplan.load_gpu("a100-80g")
+    got = constraints.refusal(fixed, choices, spec, gpu)
+    assert got == says if says is None else says in got
+
+
+@pytest.mark.parametrize("layers, heads", [(126, 128), (256, 256)])
+def test_the_largest_step_at_the_bounds_stays_inside_int64(layers, heads):
+    """llama-3.1-405b's layers and heads, and the model bounds of inputs/hf.py (CONFIG_DIMS), at the
+    sequence and token bounds with eager fp32 attention and no checkpointing: the largest quadratic term."""
+    import warnings
+
+    from memplan.estimator.step import estimate
+
+    spec = memplan.resolve_model("llama-3.1-405b").model_copy(update=dict(
+        num_layers=layers, num_heads=heads, num_kv_heads=heads // 16, head_dim=128, hidden_size=heads * 128))
+    w = Workload(micro_batch=constraints.MAX_TOKENS // constraints.MAX_SEQ_LEN, seq_len=constraints.MAX_SEQ_LEN,
+                 precision="fp32", attn="eager", optim="sgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy overflow or NaN cast fails the test
+        e = estimate(spec, memplan.load_gpu("h100-80g"), w)
+    numbers = [e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_used_bytes, *e.breakdown.values(),
+               *e.phases.values()]
+    assert all(0 <= n < 2**63 for n in numbers)
+    assert e.device_used_bytes > 10**17  # the quadratic term is there: not a wrapped-around small number

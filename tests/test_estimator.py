@@ -101,7 +101,11 @@ train_cfg = dict(cfg=_config())
 
 def _est(cfg, **change):
     c = cfg | change
-    return memplan.estimate(c["model"], "h100-80g", micro_batch=c["b"], seq_len=c["s"], precision=c["precision"],
+    spec = memplan.resolve_model(c["model"])
+    # a ViT reads its patches (--seq-len is refused); learned positions end at max_position (the
+    # properties compare >=, so a sequence held at the last position still holds them)
+    seq = None if spec.arch == "vision" else min(c["s"], spec.max_position) if spec.position == "learned" else c["s"]
+    return memplan.estimate(c["model"], "h100-80g", micro_batch=c["b"], seq_len=seq, precision=c["precision"],
                             optim=c["optim"], attn=c["attn"], grad_ckpt=c["ckpt"])
 
 

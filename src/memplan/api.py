@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -12,35 +14,54 @@ from memplan.inputs import defaults
 from memplan.estimator.families import supported_attn
 from memplan.search import suggestion as search
 from memplan.inputs.catalog import resolve_model
-from memplan.errors import UserError
+from memplan.errors import UserError, validation_line
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile, load_gpu
 from memplan.inputs.workload import Workload
+from memplan.search.request import SearchRequest
 
 
 def resolve_spec(model: str | ModelSpec, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
     """A ModelSpec as given, or resolved from a catalog name / Hugging Face id / config path."""
-    return model if isinstance(model, ModelSpec) else resolve_model(model, head=head, trust_remote_code=trust_remote_code)
+    if isinstance(model, ModelSpec):
+        return model
+    _check_type("model", model, str)
+    _check_type("head", head, (str, type(None)))
+    _check_type("trust_remote_code", trust_remote_code, bool)
+    return resolve_model(model, head=head, trust_remote_code=trust_remote_code)
 
 
 def resolve_gpu(gpu: str | GPUProfile) -> GPUProfile:
     """A GPUProfile as given, or loaded by name / alias / file."""
-    return gpu if isinstance(gpu, GPUProfile) else load_gpu(gpu)
+    if isinstance(gpu, GPUProfile):
+        return gpu
+    _check_type("gpu", gpu, str)
+    return load_gpu(gpu)
 
 
-def _validation_message(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{where}: {msg}" if where else msg
+def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
+    if not isinstance(value, types):
+        raise UserError(f"{name}: expected {getattr(types, '__name__', 'a string')}, got {type(value).__name__} "
+                        f"{value!r:.60}")
+
+
+def _check_keywords(given: Iterable[str], valid: Iterable[str], call: str) -> None:
+    """A misspelled keyword is refused with the closest valid one, never ignored."""
+    valid = sorted(valid)
+    for k in given:
+        if k not in valid:
+            close = difflib.get_close_matches(k, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (valid: {', '.join(valid)})"
+            raise UserError(f"{call}() got an unknown keyword {k!r}{hint}")
 
 
 def workload(**kwargs: Any) -> Workload:
-    """A validated Workload; bad values raise UserError with one line."""
+    """A validated Workload; bad values (and unknown keywords) raise UserError with one line."""
+    _check_keywords(kwargs, Workload.model_fields, "workload")
     try:
         return Workload(**{k: v for k, v in kwargs.items() if v is not None})
     except ValidationError as e:
-        raise UserError(_validation_message(e)) from None
+        raise UserError(validation_line(e)) from None
 
 
 def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
@@ -53,13 +74,15 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     defaults (memplan.inputs.defaults), said in the result's `defaults`; cpu_mem: host RAM per node in
     bytes (default: the GPU profile's typical host), which what offload pins must fit.
     """
+    _check_keywords(work, Workload.model_fields, "estimate")
     if cpu_mem is not None and (not isinstance(cpu_mem, int) or isinstance(cpu_mem, bool) or cpu_mem <= 0):
         raise UserError(f"cpu_mem: host RAM per node in bytes, a positive integer; got {cpu_mem!r}")
     spec, prof = resolve_spec(model, head, trust_remote_code), resolve_gpu(gpu)
     if work.get("attn") is None:
         work["attn"] = defaults.attn(supported_attn(spec))
     given = {**work, "cpu_mem": cpu_mem}
-    w = workload(**(work | defaults.choose(spec, prof, given).values | {"cpu_mem": None}))  # None: left out
+    chosen_work = {k: v for k, v in defaults.choose(spec, prof, given).values.items() if k != "cpu_mem"}
+    w = workload(**(work | chosen_work))
     chosen = defaults.choose(spec, prof, given, gpus=w.gpus)  # the host RAM of a node of w.gpus GPUs
     est = with_host_limit(estimator.estimate(spec, prof, w), chosen.values.get("cpu_mem", cpu_mem))
     return est.model_copy(update={"defaults": chosen.said, "notes": est.notes + defaults.precision_notes(w)})
@@ -68,4 +91,5 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
 def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
             trust_remote_code: bool = False, **options: Any) -> search.Suggestion:
     """Ranked plans that fit: the options are the fields of memplan.search.request.SearchRequest."""
+    _check_keywords(options, SearchRequest.model_fields.keys() - {"spec", "gpu"}, "suggest")
     return search.suggest(resolve_spec(model, head, trust_remote_code), resolve_gpu(gpu), **options)

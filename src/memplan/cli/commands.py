@@ -115,10 +115,12 @@ def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
 
 
 def _cpu_mem(gib: float | None) -> int | None:
+    """--cpu-mem GiB as bytes, inside constraints.BOUNDS["cpu_mem"] (NaN and infinities refused)."""
+    from memplan.inputs.constraints import check_bound
+
     if gib is None:
         return None
-    if gib <= 0:
-        raise UserError("--cpu-mem must be positive (GiB per node)")
+    check_bound("cpu_mem", gib * 2**30)
     return int(gib * 2**30)
 
 

@@ -32,7 +32,7 @@ def gib(n: float) -> str:
 
 
 def _bar(n: int, of: int) -> str:
-    filled = 0 if of <= 0 else round(BAR * max(n, 0) / of)
+    filled = 0 if of <= 0 else min(BAR, round(BAR * max(n, 0) / of))  # past capacity: a full bar
     return "█" * filled + "·" * (BAR - filled)
 
 

@@ -64,6 +64,16 @@ def get_entry(name: str) -> CatalogEntry | None:
     return None if i is None else _entry(i)
 
 
+def existing_path(name: str) -> Path | None:
+    """The file or folder `name` names, or None: also for a name no file system accepts (over NAME_MAX,
+    a NUL byte), which Path.exists raises on rather than answering False."""
+    try:
+        path = Path(name).expanduser()
+        return path if path.exists() else None
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: expanduser of '~nouser'
+        return None
+
+
 def resolve_model(name: str, head: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
     """A ModelSpec for `--model NAME [--head HEAD]`; every failure is a one-line UserError."""
     if not name.strip():
@@ -76,8 +86,8 @@ def resolve_model(name: str, head: str | None = None, trust_remote_code: bool = 
 
         return spec_from_config(entry.config, entry.name, head=head, hf_id=entry.hf_id)
 
-    path = Path(name).expanduser()
-    if path.exists():
+    path = existing_path(name)
+    if path is not None:
         config, label = _read_local_config(path)
         from memplan.inputs.hf import spec_from_config
 
@@ -96,17 +106,12 @@ def resolve_config(name: str, head: str | None = None, trust_remote_code: bool =
     entry = get_entry(name)
     if entry is not None:
         return entry.config, head or entry.spec.head
-    path = Path(name).expanduser()
-    if path.exists():
+    path = existing_path(name)
+    if path is not None:
         return _read_local_config(path)[0], head
     if "/" in name and not name.endswith(".json") and not name.startswith((".", "/", "~")):
-        try:
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), head
-        except Exception:
-            resolve_model(name, head, trust_remote_code)  # raises the one-line error
-    resolve_model(name, head, trust_remote_code)
+        return _hub_config(name, trust_remote_code), head
+    resolve_model(name, head, trust_remote_code)  # raises the one-line error
     raise UserError(f"cannot resolve model {name!r}")
 
 
@@ -135,17 +140,68 @@ def _read_local_config(path: Path) -> tuple[dict[str, Any], str]:
     return config, label or str(file)
 
 
-def _from_hub(name: str, head: str | None, trust_remote_code: bool) -> ModelSpec:
+# How long `memplan` waits to learn whether the hub answers before it says it is offline: a TCP connect
+# to huggingface.co (or the HTTPS proxy) takes well under a second where there is a network (measured
+# 0.1-0.3 s); without one, transformers' own retries took 28-34 s (issue 14).
+HUB_PROBE_SECONDS = 2.0
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to the hub's host (or to the HTTPS proxy, where one is set) opens within
+    `timeout`, name resolution included (it runs in a thread: getaddrinfo has no timeout of its own)."""
+    import socket
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    proxy = urllib.request.getproxies().get("https")
+    url = urllib.parse.urlsplit(proxy or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            ok.append(True)
+        except (OSError, UnicodeError):
+            pass
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(ok)
+
+
+def _hub_config(name: str, trust_remote_code: bool):
+    """The transformers config of a hub id: from the hub where it answers, else from the local cache
+    (transformers' local_files_only); never the weights. One-line UserErrors, within HUB_PROBE_SECONDS
+    when there is no network."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)  # validates the id too
+    except HFValidationError:
+        raise UserError(f"unknown model {name!r}: not in the catalog, not a local path, and not a Hugging Face "
+                        f"hub id{_did_you_mean(name)}") from None
+    offline = constants.HF_HUB_OFFLINE or not hub_reachable()
+    if offline and not cached:
+        raise UserError(f"cannot resolve model {name!r}: not in the catalog or a local path; the Hugging Face hub "
+                        f"is unreachable (offline{', HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE else ''}) "
+                        "and has no cached copy of its config.json")
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except Exception as e:  # OSError, ValueError, HTTP errors, offline mode: all mean "could not get it"
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=offline)
+    except Exception as e:  # OSError, ValueError, HTTP errors: all mean "could not get it"
         why = " ".join(str(e).split()).split(". ")[0][:200] or type(e).__name__  # first sentence: one line
-        raise UserError(
-            f"cannot resolve model {name!r}: not in the catalog, not a local path, and the Hugging Face hub "
-            f"is unreachable (or does not have it) and has no cached copy ({why})"
-        ) from None
+        raise UserError(f"cannot resolve model {name!r}: not in the catalog, not a local path, and the Hugging "
+                        f"Face hub {'has no cached copy' if offline else 'does not have it'} ({why})") from None
+
+
+def _from_hub(name: str, head: str | None, trust_remote_code: bool) -> ModelSpec:
+    config = _hub_config(name, trust_remote_code)
     from memplan.inputs.hf import spec_from_config
 
     # The config object itself, not config.to_dict(): a trust_remote_code config class cannot be rebuilt

@@ -12,9 +12,13 @@ the GPU by `check` (estimate) and by the search for every candidate.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import AfterValidator
 
 from memplan.errors import UserError
 from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
@@ -30,6 +34,74 @@ ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 SHARDED_PRECISIONS = ("fp32", "fp16", "bf16")
 # The fields that vary per cell of the search's table (micro batch x accumulation), not per candidate.
 BATCH_FIELDS = frozenset({"micro_batch", "grad_accum"})
+
+
+# -- bounds: how large a setting may be ---------------------------------------------------------------
+# Each bound lies beyond every real workload (why: the largest real value we know of), so it refuses
+# nothing that runs; and together they keep every byte count of a step below 2**63, so numpy's int64
+# arithmetic in the estimator and the search never overflows (measured: llama-3.1-405b's 126 layers x
+# 128 heads, eager fp32 attention, 2**21 tokens per sequence x 2 sequences: 6.4e17 bytes; 256 layers x
+# 256 heads, the model bounds of inputs/hf.py: 2.6e18 < 9.2e18 = 2**63). The quadratic term is the
+# eager attention scores, micro batch x heads x seq**2 per layer: MAX_SEQ_LEN x MAX_TOKENS bounds it.
+@dataclass(frozen=True)
+class Bound:
+    low: float
+    high: float
+    unit: str
+    why: str  # the largest real value: why `high` refuses nothing that runs
+
+
+MAX_SEQ_LEN = 2**21  # 2,097,152
+MAX_TOKENS = 2**22  # per GPU per micro batch: micro batch x beams x (sequence + new tokens)
+BOUNDS: dict[str, Bound] = {
+    "seq_len": Bound(1, MAX_SEQ_LEN, "tokens per sequence",
+                     "twice the longest context of a supported family: Qwen2.5-7B-Instruct-1M, 1,010,000 positions"),
+    "max_new_tokens": Bound(0, MAX_SEQ_LEN, "new tokens", "a generated sequence is a sequence"),
+    "micro_batch": Bound(1, MAX_TOKENS, "sequences per GPU", "a micro batch holds at most 2**22 tokens"),
+    "beams": Bound(1, 1024, "beams", "HF generate's beam search is used with 1-16 beams"),
+    "grad_accum": Bound(1, 2**20, "accumulation steps", "the global batch bound"),
+    "global_batch": Bound(1, 2**20, "sequences per step",
+                          "Llama 3 405B trained with 2,048 x 8,192-token sequences per step (16M tokens)"),
+    # a node is one NVLink domain (TP stays inside it): DGX GH200 has 256 GPUs in one, GB200 NVL72 72
+    "gpus": Bound(1, 256, "GPUs per node", "DGX GH200: 256 GPUs in one NVLink domain"),
+    "nodes": Bound(1, 2**15, "nodes", "the largest clusters have about 200,000 GPUs, 25,000 nodes of 8"),
+    "tp": Bound(1, 256, "tensor-parallel ranks", "TP stays inside a node"),
+    "pp": Bound(1, 256, "pipeline stages", "a stage holds at least one of at most 256 layers (inputs/hf.py)"),
+    "vpp": Bound(1, 256, "virtual stages per GPU", "pp x vpp divides the layers"),
+    # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
+    "cpu_mem": Bound(1, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
+}
+
+
+def bound_problem(name: str, value: float) -> str | None:
+    """Why `value` is outside the bound of setting `name` (NaN and infinities included), else None; the
+    caller names the setting."""
+    b = BOUNDS[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if value < b.low:
+        return f"must be at least {b.low:,}, got {value:,}"
+    if value > b.high:
+        return f"{value:,} is over memplan's bound of {b.high:,} {b.unit} ({b.why})"
+    return None
+
+
+def bounded(name: str) -> AfterValidator:
+    """A pydantic validator (Annotated[int, bounded("seq_len")]) that applies BOUNDS[name]."""
+    def check(value):
+        problem = None if value is None else bound_problem(name, value)
+        if problem:
+            raise ValueError(problem)
+        return value
+    return AfterValidator(check)
+
+
+def check_bound(name: str, value: float) -> None:
+    """UserError where `value` is outside BOUNDS[name] (for a setting no pydantic model holds)."""
+    problem = bound_problem(name, value)
+    if problem:
+        raise UserError(f"--{name.replace('_', '-')}: {problem}")
+
 
 # A predicate or a message: (workload or any object with its field names, ModelSpec, GPUProfile).
 Rule = Callable[[Any, "ModelSpec | None", "GPUProfile | None"], Any]
@@ -145,6 +217,13 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: f"--vpp {w.vpp} (interleaved pipeline) needs the accumulation steps ({w.grad_accum}) "
                        f"to be a multiple of --pp {w.pp}",
        {"gpus": 2, "pp": 2, "vpp": 2, "grad_accum": 3}),
+    # the bound that keeps the eager attention scores (micro batch x heads x seq**2) inside int64 (BOUNDS)
+    _c("tokens-per-micro-batch", "workload", "micro_batch beams seq_len max_new_tokens",
+       lambda w, m, g: w.micro_batch * w.beams * (w.seq_len + w.max_new_tokens) > MAX_TOKENS,
+       lambda w, m, g: f"micro batch {w.micro_batch:,} x {w.beams} beams x {w.seq_len + w.max_new_tokens:,} tokens "
+                       f"is over memplan's bound of {MAX_TOKENS:,} tokens per GPU per micro batch (no GPU holds "
+                       "the activations of that many)",
+       {"micro_batch": 4096, "seq_len": 2048}),
     # -- the hardware ---------------------------------------------------------------------------------
     _c("bf16-needs-sm80", "gpu", "precision",
        lambda w, m, g: "bf16" in w.precision and not g.bf16,
@@ -157,6 +236,12 @@ TABLE: tuple[Constraint, ...] = (
                        "(use --attn sdpa)",
        {"attn": "flash", "precision": "fp16"}, gpu="v100-16g"),
     # -- the model ------------------------------------------------------------------------------------
+    # a ViT reads an image as its patches + CLS, whatever the sequence length says: say so rather than echo it
+    _c("vision-seq-len", "model", "seq_len",
+       lambda w, m, g: m.arch == "vision" and w.seq_len != m.seq_positions,
+       lambda w, m, g: f"{m.name} reads a {m.image_size}x{m.image_size} image as {m.seq_positions} tokens "
+                       f"({m.seq_positions - 1} patches + CLS): --seq-len {w.seq_len} does not apply (omit it)",
+       {"seq_len": 1000}, model="vit-base"),
     _c("attention-of-model", "model", "attn",
        lambda w, m, g: w.attn not in supported_attn(m),
        lambda w, m, g: f"transformers has no {w.attn} attention for {m.model_type} "
@@ -194,6 +279,13 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
        lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",
        {"task": "infer", "precision": "fp16", "max_new_tokens": 8}, model="bert-base"),
+    # a learned position table has max_position rows: transformers indexes past it and fails
+    _c("positions-learned", "model", "seq_len max_new_tokens",
+       lambda w, m, g: m.position == "learned" and m.arch != "vision" and 0 < m.max_position
+       < w.seq_len + w.max_new_tokens,
+       lambda w, m, g: f"--seq-len {w.seq_len:,}" + (f" + --max-new-tokens {w.max_new_tokens:,}" if w.max_new_tokens
+                                                    else "") + f" exceeds {m.name}'s {m.max_position:,} learned positions",
+       {"seq_len": 2048}),
     # each virtual stage holds layers / (pp * vpp) whole layers (Megatron-LM asserts the division)
     _c("vpp-divides-layers", "model", "pp vpp",
        lambda w, m, g: w.vpp > 1 and m.total_layers % (w.pp * w.vpp) != 0,
@@ -318,3 +410,23 @@ def batch_allowed(bases: Sequence[Any], mbs: Sequence[int], per_rank: int, spec:
                                             spec, gpu, entries) is None for mb in mbs]
         out.append(seen[values])
     return out
+
+
+def refusal(fixed: dict[str, Any], choices: dict[str, Sequence[Any]], spec: ModelSpec, gpu: GPUProfile) -> str | None:
+    """The message of the first entry that refuses `fixed` whatever values the fields in `choices` take
+    (suggest: a value the user named that no candidate could use, refused as estimate refuses it, rather
+    than a search where nothing fits). Entries reading a field in neither are left to the search."""
+    for c in TABLE:
+        free = sorted(c.reads - fixed.keys())
+        if any(f not in choices for f in free):
+            continue
+        first = None
+        for combo in itertools.product(*(choices[f] for f in free)):
+            d = Draft(fixed, **dict(zip(free, combo)))
+            if not c.invalid(d, spec, gpu):
+                break
+            first = first or d
+        else:
+            if first is not None:
+                return c.text(first, spec, gpu)
+    return None

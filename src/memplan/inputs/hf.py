@@ -59,15 +59,66 @@ def categorize(name: str) -> str:
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` the config sets (a transformers config object or a config.json dict)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda n: getattr(cfg, n, None)
     for n in names:
-        v = getattr(cfg, n, None)
+        v = get(n)
         if v is not None:
             return v
     return default
 
 
+# What each family calls a dimension (first set wins), read by _architecture and checked by check_config.
+HIDDEN = ("hidden_size", "d_model", "n_embd", "dim")
+ATTN_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+INTER = ("intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim")
+HEAD_DIM = ("head_dim", "d_kv")
+KV_HEADS = ("num_key_value_heads",)
+EXPERTS = ("num_local_experts", "num_experts")
+# (names, low, high, why high refuses no real model). The bounds keep every byte count of a step inside
+# int64 together with constraints.BOUNDS (measured there: 256 layers x 256 heads at the sequence and
+# token bounds, 2.6e18 bytes < 2**63).
+CONFIG_DIMS: tuple[tuple[tuple[str, ...], int, int, str], ...] = (
+    (HIDDEN, 1, 2**16, "llama-3.1-405b: 16,384"),
+    (ATTN_HEADS, 1, 256, "Falcon-180B: 232, llama-3.1-405b: 128"),
+    (LAYERS, 1, 256, "llama-3.1-405b: 126"),
+    (("num_decoder_layers",), 0, 256, "t5-11b: 24"),
+    (INTER, 1, 2**18, "llama-3.1-405b: 53,248"),
+    (HEAD_DIM, 1, 1024, "gemma: 256"),
+    (KV_HEADS, 1, 256, "at most the attention heads"),
+    (("vocab_size",), 1, 2**21, "gemma-2: 256,000"),
+    (EXPERTS, 0, 1024, "DeepSeek-V3: 256 routed experts"),
+    (("num_experts_per_tok",), 0, 1024, "at most the experts"),
+    (("max_position_embeddings", "n_positions", "n_ctx"), 0, 2**24, "Llama 4 Scout: 10,485,760"),
+    (("image_size",), 1, 2**14, "ViT: 224-518"),
+    (("patch_size",), 1, 2**14, "ViT: 14-32"),
+)
+
+
+def check_config(config: dict[str, Any] | Any) -> None:
+    """Refuse a config whose dimensions no model has (not a positive integer, past CONFIG_DIMS' bounds,
+    heads that do not divide the width where no head_dim says otherwise): before transformers builds
+    it (it would fail with a traceback, or, for a negative width, only on the meta device)."""
+    for names, low, high, why in CONFIG_DIMS:
+        key = next((n for n in names if _get(config, n) is not None), None)  # the name this config uses
+        if key is None:
+            continue
+        v = _get(config, key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UserError(f"config {key!r} must be an integer, got {v!r:.40}")
+        if not low <= v <= high:
+            raise UserError(f"config {key!r} is {v:,}: memplan reads {low:,} to {high:,} (largest real: {why})")
+    hidden, heads, kv = _get(config, *HIDDEN), _get(config, *ATTN_HEADS), _get(config, *KV_HEADS)
+    if hidden and heads and _get(config, *HEAD_DIM) is None and hidden % heads:
+        raise UserError(f"config: {heads} attention heads do not divide the hidden size {hidden} (and no head_dim)")
+    if heads and kv and heads % kv:
+        raise UserError(f"config: {kv} key-value heads do not divide the {heads} attention heads")
+
+
 def load_config(config: dict[str, Any] | Any, trust_remote_code: bool = False) -> Any:
     """A transformers PretrainedConfig from a config.json dict (or pass one through)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
@@ -76,15 +127,27 @@ def load_config(config: dict[str, Any] | Any, trust_remote_code: bool = False) -
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise UserError("config has no 'model_type'; is it a transformers config.json?")
+    if not isinstance(model_type, str):
+        raise UserError(f"config 'model_type' must be a string, got {model_type!r:.40}")
     try:
         return AutoConfig.for_model(model_type, **d)
     except (KeyError, ValueError) as e:
-        raise UserError(f"transformers does not know model_type {model_type!r}: {e}") from None
+        raise UserError(f"transformers does not know model_type {model_type!r}: {_last_line(e)}") from None
+    except StrictDataclassError as e:  # transformers' own validation of the fields (huggingface_hub dataclasses)
+        raise UserError(f"config of {model_type!r}: {_last_line(e)}") from None
+
+
+def _last_line(e: Exception) -> str:
+    """The innermost line of an exception's message ('ValueError: The hidden size ... is not a multiple')."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(e).__name__
 
 
 def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
     """The transformers config and the head, checked: shared by the spec reader and the model builder."""
+    check_config(config)
     cfg = load_config(config, trust_remote_code)
+    check_config(cfg)  # what transformers filled in (defaults, attribute aliases)
     mt = cfg.model_type
     arch = family(mt).arch
     if arch is None:
@@ -142,9 +205,8 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
     """ModelSpec's architecture fields from a config, whatever each family calls them."""
     fam = family(cfg.model_type)
     arch, mlp = fam.arch, fam.mlp
-    hidden = _get(cfg, "hidden_size", "d_model", "n_embd", "dim")
-    heads = _get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
-    inter = _get(cfg, "intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim", default=4 * hidden)
+    hidden, heads = _get(cfg, *HIDDEN), _get(cfg, *ATTN_HEADS)
+    inter = _get(cfg, *INTER, default=4 * hidden)
     if fam.mlp_width_4h_when_unset and cfg.n_inner is None:
         inter = 4 * hidden
     act = _get(cfg, "hidden_act", "activation_function", "feed_forward_proj", "hidden_activation", "activation")
@@ -157,10 +219,10 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
     vision = arch == "vision"
     return dict(
         arch=arch, mlp=mlp, norm=fam.norm, position=fam.position, activation=str(act),
-        num_layers=int(_get(cfg, "num_hidden_layers", "num_layers", "n_layer", "n_layers")),
+        num_layers=int(_get(cfg, *LAYERS)),
         num_decoder_layers=int(_get(cfg, "num_decoder_layers", default=0) or 0) if arch == "encoder-decoder" else 0,
-        hidden_size=int(hidden), num_heads=int(heads), num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
-        head_dim=int(_get(cfg, "head_dim", "d_kv", default=hidden // heads)), intermediate_size=int(inter),
+        hidden_size=int(hidden), num_heads=int(heads), num_kv_heads=int(_get(cfg, *KV_HEADS, default=heads)),
+        head_dim=int(_get(cfg, *HEAD_DIM, default=hidden // heads)), intermediate_size=int(inter),
         vocab_size=int(_get(cfg, "vocab_size", default=0)), max_position=int(max_pos),
         hidden_dropout=float(_get(cfg, "hidden_dropout_prob", "resid_pdrop", "dropout", "dropout_rate",
                                   "hidden_dropout", default=0.0)),
@@ -168,7 +230,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
                                      "dropout_rate", default=0.0)),
         tie_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)) and head in (
             "causal-lm", "seq2seq-lm", "masked-lm"),
-        num_experts=int(_get(cfg, "num_local_experts", "num_experts", default=0)),
+        num_experts=int(_get(cfg, *EXPERTS, default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
         num_labels=int(cfg.num_labels) if head in ("sequence-classification", "token-classification",
                                                     "image-classification") else 0,

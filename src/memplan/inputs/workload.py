@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memplan.estimator.rules import OPTIM_ALIASES, OPTIMIZERS
-from memplan.inputs.constraints import workload_problem
+from memplan.inputs.constraints import bounded, workload_problem
+
+Finite = Field(allow_inf_nan=False)  # a float setting: NaN and infinities are refused, not compared
 # transformers' attn_implementation names -> memplan's
 ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
                 "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash", "memplan": "memplan"}
@@ -22,31 +24,34 @@ def canonical_optim(name: str) -> str:
 
 
 class Workload(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    # strict: a string micro batch or a float GPU count is refused, not converted (the API's callers
+    # get a UserError naming the field); extra: a misspelled field is refused, not ignored.
+    # Bounds: constraints.BOUNDS (each with why no real workload exceeds it).
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
     task: Literal["train", "infer"] = "train"
-    micro_batch: int = Field(1, ge=1)
-    seq_len: int = Field(512, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    micro_batch: Annotated[int, bounded("micro_batch")] = 1
+    seq_len: Annotated[int, bounded("seq_len")] = 512
+    grad_accum: Annotated[int, bounded("grad_accum")] = 1
     precision: str = "fp32"
     optim: str = "adamw_torch_fused"
-    momentum: float = Field(0.0, ge=0.0)  # SGD / RMSprop momentum from the optimizer arguments
+    momentum: Annotated[float, Finite] = Field(0.0, ge=0.0)  # SGD / RMSprop momentum from the optimizer arguments
     # selective: Megatron-style, recompute only the attention core (Korthikanti et al. 2022)
     grad_ckpt: Literal["none", "selective", "full"] = "none"
     # memplan: memplan.kernels' tiled attention (attn_implementation "memplan", docs/kernels.md)
     attn: Literal["eager", "sdpa", "flash", "memplan"] = "sdpa"
-    max_new_tokens: int = Field(0, ge=0)
-    beams: int = Field(1, ge=1)
+    max_new_tokens: Annotated[int, bounded("max_new_tokens")] = 0
+    beams: Annotated[int, bounded("beams")] = 1
     # torch >= 2.0 optimizer.zero_grad() and HF Trainer's model.zero_grad() free the grads
     # (set_to_none=True); torch 1.x filled them with zeros, so they stayed allocated between steps.
     zero_grad: Literal["set-to-none", "zeros"] = "set-to-none"
-    headroom: float = Field(0.05, ge=0.0, lt=1.0)  # fraction of GPU memory kept free
+    headroom: Annotated[float, Finite] = Field(0.05, ge=0.0, lt=1.0)  # fraction of GPU memory kept free
     # -- multi-GPU (docs/parallel.md) -----------------------------------------------------------------
-    gpus: int = Field(1, ge=1)  # GPUs per node
-    nodes: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)  # tensor parallel degree, inside a node
-    pp: int = Field(1, ge=1)  # pipeline stages
-    vpp: int = Field(1, ge=1)  # virtual stages per GPU: > 1 is the interleaved 1F1B schedule
+    gpus: Annotated[int, bounded("gpus")] = 1  # GPUs per node
+    nodes: Annotated[int, bounded("nodes")] = 1
+    tp: Annotated[int, bounded("tp")] = 1  # tensor parallel degree, inside a node
+    pp: Annotated[int, bounded("pp")] = 1  # pipeline stages
+    vpp: Annotated[int, bounded("vpp")] = 1  # virtual stages per GPU: > 1 is the interleaved 1F1B schedule
     sp: bool = False  # sequence parallel (with tp > 1)
     zero: int = Field(0, ge=0, le=3)  # 0: torch DDP; 1-3: DeepSpeed ZeRO stage
     offload: Literal["none", "optimizer", "all"] = "none"  # DeepSpeed offload to CPU ("all": + parameters)
@@ -58,7 +63,7 @@ class Workload(BaseModel):
     # memplan.kernels' tiled MLP (apply(model, mlp=True)): each layer's MLP over chunks of tokens, recomputed
     # in backward, so a layer keeps only the MLP's input (docs/kernels.md)
     tiled_mlp: bool = False
-    net_gbs: float | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
+    net_gbs: Annotated[float, Finite] | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
 
     @field_validator("attn", mode="before")
     @classmethod

@@ -73,7 +73,10 @@ def _parse_choice(value, every: Iterable[str], default: list[str], what: str, ca
     names = list(every if known is None else known)
     out = []
     for item in str(value).split(","):
-        item = canon(item.strip().lower())
+        try:
+            item = canon(item.strip().lower())
+        except ValueError as e:  # canonical_optim's "unknown optimizer ..."
+            raise UserError(str(e)) from None
         if item not in names:
             raise UserError(f"unknown {what} {item!r} (choose from {', '.join(names)}, or 'any')")
         out.append(item)
@@ -106,26 +109,16 @@ def space(req: SearchRequest) -> Space:
     values the user named that the constraints table refuses (as estimate would), rather than a search
     where nothing fits."""
     sp = _values(req)
-    asked = {k: getattr(sp, v) for k, v in KNOBS.items() if _named(getattr(req, k))}
-    named = constraints.Draft(task=req.task, gpus=req.gpus, nodes=req.nodes)
-    named |= {k: values[0] for k, values in asked.items() if len(values) == 1}
-    # each value of a list the user named must run with the single values named beside it
-    for k, values in asked.items():
-        for v in values:
-            draft = constraints.Draft(named.fields(), **{k: v})
-            c = constraints.first_violation(draft, req.spec, req.gpu,
-                                            [c for c in constraints.TABLE if k in c.reads and c.reads <= draft.keys()])
-            if c is not None:
-                raise UserError(c.text(draft, req.spec, req.gpu))
-    c = constraints.first_violation(named, req.spec, req.gpu, [c for c in constraints.TABLE if c.reads <= named.keys()])
-    if c is not None:
-        raise UserError(c.text(named, req.spec, req.gpu))
+    fixed = dict(req.common(), gpus=req.gpus, nodes=req.nodes, seq_len=sp.seq, max_new_tokens=0)  # no generation
+    choices = {k: getattr(sp, v) for k, v in KNOBS.items()}
+    # every value the user named must run with some setting of the rest (`--precision fp16,bf16` on a V100
+    # refuses bf16 with the table's reason rather than dropping it)
+    named = [{k: [v]} for k in KNOBS if str(getattr(req, k) or "any").strip().lower() != "any" for v in choices[k]]
+    for one in [{}] + named:
+        problem = constraints.refusal(fixed, choices | one, req.spec, req.gpu)
+        if problem:
+            raise UserError(problem)
     return sp
-
-
-def _named(value) -> bool:
-    """The user named the values (not left to memplan, not 'any')."""
-    return value is not None and str(value).strip().lower() != "any"
 
 
 def _values(req: SearchRequest) -> Space:

@@ -276,7 +276,10 @@ def _suggest(query: str) -> list[str]:
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.lower().endswith(".json") or "/" in name or os.sep in name or Path(name).is_file()
+    from memplan.inputs.catalog import existing_path  # a name no file system accepts is not a path
+
+    path = existing_path(name)
+    return name.lower().endswith(".json") or "/" in name or os.sep in name or (path is not None and path.is_file())
 
 
 @functools.lru_cache(maxsize=64)
