@@ -1,9 +1,13 @@
 """A fixed grid of estimates and searches, and a JSON snapshot of their numbers, to hold a refactor to
 "no number changes".
 
-    python benchmarks/snapshot.py --write benchmarks/results/snapshot_before.json   # take a snapshot
-    python benchmarks/snapshot.py --check benchmarks/results/snapshot_before.json   # compare with one
-    python benchmarks/snapshot.py --check FILE --one-process                        # all in one process
+    python benchmarks/snapshot.py --write benchmarks/results/snapshot.json   # take a snapshot
+    python benchmarks/snapshot.py --check benchmarks/results/snapshot.json   # compare with one
+    python benchmarks/snapshot.py --check FILE --one-process                 # all in one process
+
+benchmarks/results/snapshot.json is the current one (tests/test_snapshot.py); snapshot_before.json was
+taken before the core redesign, on the grid of that time (its GPT-2 rows asked for 2,048 tokens, past
+GPT-2's 1,024 learned positions, which memplan now refuses).
 
 Every configuration goes through the public API (memplan.estimate / memplan.suggest), so the script
 runs unchanged across a redesign of what is behind it. By default each configuration is computed in
@@ -68,20 +72,22 @@ def _estimates() -> list[dict]:
         for prec, ckpt, tiled in (("bf16", "none", False), ("bf16-pure", "none", True), ("fp32", "full", False),
                                   ("bf16", "selective", True)):
             attn = "memplan" if model not in ("gemma-2-2b", "gpt2") and prec != "fp32" else "eager"
-            add(model, "h100-80g", micro_batch=2, seq_len=2048, precision=prec, grad_ckpt=ckpt, attn=attn,
-                kernels=True, tiled_mlp=tiled)
+            seq = 1024 if model == "gpt2" else 2048  # GPT-2 has 1,024 learned positions
+            add(model, "h100-80g", micro_batch=2 * 2048 // seq, seq_len=seq, precision=prec, grad_ckpt=ckpt,
+                attn=attn, kernels=True, tiled_mlp=tiled)
     add("bert-base", "a100-80g", head="masked-lm", micro_batch=16, seq_len=512, precision="bf16-pure", kernels=True)
     add("bert-base", "a100-80g", head="masked-lm", micro_batch=16, seq_len=512, precision="bf16", attn="eager")
     # DDP, DeepSpeed ZeRO 1-3 with offload, FSDP (including hybrid across nodes)
     for model, gpu in (("llama-3.1-8b", "a100-40g"), ("qwen2.5-7b", "h100-80g"), ("gpt2-xl", "v100-32g")):
         prec = "fp16" if gpu.startswith("v100") else "bf16"
         attn = "sdpa"
+        seq = 1024 if model == "gpt2-xl" else 2048  # GPT-2 has 1,024 learned positions
         for zero, offload in ((0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "optimizer"),
                               (2, "optimizer"), (3, "optimizer"), (3, "all")):
-            add(model, gpu, gpus=8, zero=zero, offload=offload, precision=prec, micro_batch=2, seq_len=2048,
+            add(model, gpu, gpus=8, zero=zero, offload=offload, precision=prec, micro_batch=2, seq_len=seq,
                 grad_accum=1 + zero % 2, grad_ckpt="full", attn=attn)
         for fsdp in ("full-shard", "shard-grad-op", "hybrid-shard"):
-            add(model, gpu, gpus=8, nodes=2, fsdp=fsdp, precision=prec, micro_batch=1, seq_len=2048, attn=attn,
+            add(model, gpu, gpus=8, nodes=2, fsdp=fsdp, precision=prec, micro_batch=1, seq_len=seq, attn=attn,
                 grad_ckpt="selective")
     # hybrid shard on 8 x 2, then on 4 x 4 in one process: a stage cache keyed without the GPUs per node
     # once gave the 4 x 4 run the 8 x 2 run's states
