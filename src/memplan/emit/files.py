@@ -59,7 +59,8 @@ def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
 
 def check_directory(directory: str, names: tuple[str, ...] = (), force: bool = False) -> None:
     """Refuse, before any search, an -o that cannot take the files: empty, not a directory, not writable,
-    or holding one of `names` (without force). Creates the directory."""
+    or holding one of `names` (without force). Creates nothing: the nearest folder that exists is probed,
+    so a search that ends with nothing to write leaves no empty directory behind."""
     if directory == "-":
         return
     if not directory.strip():
@@ -70,9 +71,11 @@ def check_directory(directory: str, names: tuple[str, ...] = (), force: bool = F
     clash = [name for name in names if (d / name).exists()]
     if clash and not force:
         raise UserError(f"-o {directory}: {', '.join(clash)} already exist(s); pass --force to overwrite")
+    nearest = next(p for p in (d, *d.parents) if p.exists())  # '.' ends a relative path's parents
+    if not nearest.is_dir():
+        raise UserError(f"-o {directory}: cannot write there ({nearest} is not a directory)")
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=d, prefix=".memplan-probe-"):
+        with tempfile.NamedTemporaryFile(dir=nearest, prefix=".memplan-probe-"):
             pass
     except OSError as e:
         raise UserError(f"-o {directory}: cannot write there ({e.strerror or e})") from None
@@ -93,8 +96,9 @@ def write(files: dict[str, str], directory: str, force: bool = False) -> list[st
         return []
     check_directory(directory, tuple(files), force)
     d = Path(directory)
-    written = []
+    written, name = [], directory
     try:
+        d.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             target, tmp = d / name, d / f".{name}.memplan-tmp"
             tmp.write_text(text, encoding="utf-8")
