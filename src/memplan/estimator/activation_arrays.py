@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
+from memplan.estimator.rules import PRECISIONS
 from memplan.estimator.states import CACHE_SIZE, train_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
@@ -50,8 +51,6 @@ class ActsKey(NamedTuple):
         return not (self.kernels or self.tiled_mlp)
 
     def model(self, b: int) -> ActivationModel:
-        from memplan.estimator.rules import PRECISIONS
-
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,

@@ -24,13 +24,14 @@ LINEAR_CATEGORIES = ("attention", "mlp", "experts", "router", "head")
 CACHE_SIZE = 4096  # distinct stage settings kept: a 405B search on 1,024 GPUs visits about 1,500
 
 
-def half_model(w: Workload) -> bool:
+def half_model(w: "Workload | StatesKey") -> bool:
     """The model itself runs in half precision and the fp32 states live elsewhere: DeepSpeed (any ZeRO
-    stage, or its PipelineEngine) or FSDP with accelerate's mixed-precision policy."""
+    stage, or its PipelineEngine) or FSDP with accelerate's mixed-precision policy. (A workload or a
+    stage's key: both carry zero, pp and fsdp.)"""
     return w.zero > 0 or w.pp > 1 or w.fsdp != "none"
 
 
-def train_precision(w: Workload) -> Precision:
+def train_precision(w: "Workload | StatesKey") -> Precision:
     """The precision the activations see: a half model has no autocast (its activations are pure half)."""
     prec = PRECISIONS[w.precision]
     if half_model(w) and prec.autocast:
@@ -75,15 +76,6 @@ class StatesKey(NamedTuple):
         offload's host accumulation buffer (ZeRO-1/2)."""
         return self._replace(accumulating=True) if self.offload != "none" and self.zero in (1, 2) else self
 
-    @property
-    def half_model(self) -> bool:
-        return self.zero > 0 or self.pp > 1 or self.fsdp != "none"
-
-    @property
-    def prec(self) -> Precision:
-        prec = PRECISIONS[self.precision]
-        return PRECISIONS[f"{prec.half}-pure"] if self.half_model and prec.autocast else prec
-
 
 class StageStates(NamedTuple):
     """One stage's GPU, independent of the micro batch; all numbers, so the step stacks them as one array."""
@@ -115,11 +107,11 @@ def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[ParamG
 
 @lru_cache(maxsize=CACHE_SIZE)
 def stage_states(k: StatesKey) -> StageStates:
-    spec, prec, rule = k.spec, k.prec, OPTIMIZERS[k.optim]
+    spec, prec, rule = k.spec, train_precision(k), OPTIMIZERS[k.optim]
     groups = layout_params(spec, k.tp, k.pp, k.stage)
     last = k.stage == k.pp - 1
     tied = -(-spec.vocab_size // k.tp) * spec.hidden_size if (tied_head(spec) and last and k.pp == 1) else 0
-    if k.half_model:
+    if half_model(k):
         z = _sharded(k, groups)
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
@@ -150,7 +142,7 @@ def states_row(k: StatesKey) -> np.ndarray:
 
 def _sharded(k: StatesKey, groups: tuple[ParamGroup, ...]):
     """DeepSpeed ZeRO (any stage, or its pipeline engine) or FSDP: parallel.py's partitioned states."""
-    prec, rule = k.prec, OPTIMIZERS[k.optim]
+    prec, rule = train_precision(k), OPTIMIZERS[k.optim]
     if k.fsdp != "none":
         return fsdp_states(list(groups), k.spec, strategy=k.fsdp, dp=k.dp, gpus=k.gpus, prec=prec, optim=rule)
     return zero_states(list(groups), k.spec, zero=k.zero, dp=k.dp, offload=k.offload, prec=prec, optim=rule,
@@ -174,7 +166,7 @@ def rounded(groups, bytes_of) -> int:
 
 def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     """Weights, gradients and optimizer states as (bytes, count) tensors, for segment packing."""
-    prec, rule = k.prec, OPTIMIZERS[k.optim]
+    prec, rule = train_precision(k), OPTIMIZERS[k.optim]
     n_states = max(rule.states + (1 if rule.momentum_arg and k.momentum else 0), 1)
     out: list[tuple[float, int]] = []
     for g in groups:

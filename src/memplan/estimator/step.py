@@ -91,10 +91,10 @@ def _activation_sums(sums: np.ndarray, rows: np.ndarray, first: bool, last: bool
     gathered = sums[rows]  # (B, K, F)
     out = {name: gathered[:, :, i] for i, name in enumerate(A.LISTS)}
     zero = np.zeros_like(out["layer"])
-    for name in ("embed",):
-        out[name] = out[name] if first else zero
-    for name in ("head_saved", "lsm", "loss_forward", "loss_backward"):
-        out[name] = out[name] if last else zero
+    if not first:
+        out["embed"] = zero
+    if not last:
+        out |= {name: zero for name in ("head_saved", "lsm", "loss_forward", "loss_backward")}
     return out
 
 

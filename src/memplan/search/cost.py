@@ -268,10 +268,10 @@ def _col(values) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)[:, None]
 
 
-def rates(w: Workload, mb: int, m: int, seq: int, step: float, model_flops_per_token: float, peak_tflops: float,
+def rates(w: Workload, mb: int, m: int, seq: int, step: float, model_flops_per_token: float, peak: float,
           terms: StepTime | None = None) -> Throughput:
     """Samples/s, tokens/s and MFU of a step of `step` seconds. MFU over all GPUs: model FLOPs of the
-    global batch / (step time x world x peak)."""
+    global batch / (step time x world x peak), `peak` in TFLOP/s (peak_tflops)."""
     samples = mb * m * w.dp
     return Throughput(step, samples / step, samples * seq / step,
-                      model_flops_per_token * samples * seq / (step * peak_tflops * 1e12 * w.world), terms)
+                      model_flops_per_token * samples * seq / (step * peak * 1e12 * w.world), terms)
