@@ -14,7 +14,7 @@ from memplan.errors import UserError  # noqa: E402
 from memplan.estimator.breakdown import MemoryBreakdown  # noqa: E402
 from memplan.inputs.modelspec import ModelSpec, ParamGroup  # noqa: E402
 from memplan.inputs.profiles import GPUProfile, list_gpus, load_gpu  # noqa: E402
-from memplan.search.suggestion import Plan, Suggestion  # noqa: E402
+from memplan.search.plan import Plan, Suggestion  # noqa: E402
 from memplan.inputs.workload import Workload  # noqa: E402
 
 __all__ = ["estimate", "suggest", "workload", "list_models", "resolve_model", "UserError", "MemoryBreakdown",

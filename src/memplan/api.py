@@ -15,9 +15,11 @@ from memplan.estimator.families import supported_attn
 from memplan.search import suggestion as search
 from memplan.inputs.catalog import resolve_model
 from memplan.errors import UserError, validation_line
+from memplan.inputs.constraints import bound_problem
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile, load_gpu
 from memplan.inputs.workload import Workload
+from memplan.search.plan import Suggestion
 from memplan.search.request import SearchRequest
 
 
@@ -70,13 +72,17 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
 
     >>> memplan.estimate("bert-large", "v100-16g", micro_batch=4, seq_len=512, precision="fp32")
     work: the Workload fields (task, micro_batch, seq_len, grad_accum, precision, optim, grad_ckpt,
-    attn, max_new_tokens, beams, momentum, zero_grad, headroom). What is left out gets memplan's
+    attn, max_new_tokens, beams, momentum, zero_grad, headroom, kernels, tiled_mlp, and the layout: gpus,
+    nodes, tp, pp, vpp, sp, zero, offload, fsdp, net_gbs). What is left out gets memplan's
     defaults (memplan.inputs.defaults), said in the result's `defaults`; cpu_mem: host RAM per node in
     bytes (default: the GPU profile's typical host), which what offload pins must fit.
     """
     _check_keywords(work, Workload.model_fields, "estimate")
-    if cpu_mem is not None and (not isinstance(cpu_mem, int) or isinstance(cpu_mem, bool) or cpu_mem <= 0):
+    if cpu_mem is not None and (not isinstance(cpu_mem, int) or isinstance(cpu_mem, bool)):
         raise UserError(f"cpu_mem: host RAM per node in bytes, a positive integer; got {cpu_mem!r}")
+    problem = None if cpu_mem is None else bound_problem("cpu_mem", cpu_mem)  # suggest's bound (SearchRequest)
+    if problem:
+        raise UserError(f"cpu_mem: {problem}")
     spec, prof = resolve_spec(model, head, trust_remote_code), resolve_gpu(gpu)
     if work.get("attn") is None:
         work["attn"] = defaults.attn(supported_attn(spec))
@@ -89,7 +95,7 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
 
 
 def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
-            trust_remote_code: bool = False, **options: Any) -> search.Suggestion:
+            trust_remote_code: bool = False, **options: Any) -> Suggestion:
     """Ranked plans that fit: the options are the fields of memplan.search.request.SearchRequest."""
     _check_keywords(options, SearchRequest.model_fields.keys() - {"spec", "gpu"}, "suggest")
     return search.suggest(resolve_spec(model, head, trust_remote_code), resolve_gpu(gpu), **options)

@@ -11,14 +11,12 @@ import click
 
 from memplan import __version__
 from memplan.errors import UserError
+from memplan.inputs import defaults
 
 MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
 GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
-# memplan.inputs.defaults.PRECISION_HELP, kept here as text so that --help imports nothing heavy
-PRECISION_HELP = ("fp32; fp16 / bf16: autocast over fp32 weights (HF Trainer fp16=True / bf16=True); bf16-pure: "
-                  "bf16 weights, gradients and states; infer also fp16-pure / bf16-pure (half weights, what "
-                  "from_pretrained(dtype=...) loads), int8, int4 [default: train bf16 (fp16 without bf16 "
-                  "support), infer bf16-pure (fp16-pure)]")
+PRECISION_HELP = ("; ".join(f"{p}: {what}" for p, what in defaults.PRECISION_HELP.items())
+                  + " [default: train bf16 (fp16 without bf16 support), infer bf16-pure (fp16-pure)]")
 
 
 def _emit_json(doc) -> None:
@@ -44,9 +42,9 @@ def common_options(f, required: bool = True):
         click.option("--model", "-m", required=required, help=MODEL_HELP),
         click.option("--gpu", "-g", required=required, help=GPU_HELP),
         click.option("--task", type=click.Choice(["train", "infer"]), default="train", show_default=True),
-        click.option("--seq-len", type=int, help="tokens per sequence [default: model maximum, capped at 512 "
-                     "(encoders) / 2048 (decoders)]"),
-        click.option("--optim", help="HF TrainingArguments optim name or 'adamw' [default: adamw_torch_fused]"),
+        click.option("--seq-len", type=int, help="tokens per sequence [default: model maximum, capped at "
+                     + " / ".join(f"{cap} ({arch}s)" for arch, cap in defaults.SEQ_CAP.items()) + "]"),
+        click.option("--optim", help=f"HF TrainingArguments optim name or 'adamw' [default: {defaults.OPTIM}]"),
         click.option("--optim-args", help="optimizer arguments, e.g. 'momentum=0.9' for sgd"),
         click.option("--attn", help="eager, sdpa, flash, memplan (memplan.kernels' tiled attention; transformers "
                      "attn_implementation names accepted) [default: sdpa where the model has it, else eager; "
@@ -77,9 +75,13 @@ def _parallel_options(search: bool):
         opts = [
             click.option("--gpus", type=int, default=1, show_default=True, help="GPUs per node"),
             click.option("--nodes", type=int, default=1, show_default=True),
-            click.option("--zero", help="DeepSpeed ZeRO stage 0-3 (0: torch DDP)" + (many or " [default: 0]")),
+            click.option("--zero", help="DeepSpeed ZeRO stage 0-3 (0: torch DDP)" + (
+                many.replace("any]", "any; naming --fsdp alone leaves ZeRO at 0; on one GPU, ZeRO 1-3 only "
+                             "where the plain Trainer does not fit]") or " [default: 0]")),
             click.option("--fsdp", help="PyTorch FSDP (accelerate) instead of DeepSpeed: none, full-shard, "
-                         "shard-grad-op, hybrid-shard" + (many or " [default: none]")),
+                         "shard-grad-op, hybrid-shard" + (many.replace("any]", "any over several GPUs; naming "
+                                                                       "--zero alone leaves FSDP off]")
+                                                          or " [default: none]")),
             click.option("--offload", help="DeepSpeed offload to CPU: none, optimizer, all (+ parameters, ZeRO-3)"
                          + (many or " [default: none]")),
             click.option("--tp", help="tensor-parallel degree, inside a node" + (many or " [default: 1]")),
@@ -162,7 +164,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 
 @cli.command()
 @common_options
-@click.option("--batch-size", type=int, help="global batch in sequences [default: 32]")
+@click.option("--batch-size", type=int, help=f"global batch in sequences [default: {defaults.GLOBAL_BATCH}]")
 @click.option("--precision", help="one, a comma list, or 'any'; " + PRECISION_HELP)
 @click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
@@ -177,7 +179,8 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
             kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
             vpp, cpu_mem, net_gbs, emit, out_dir, force) -> None:
-    """Search micro batch, accumulation, checkpointing, precision, optimizer and attention; rank what fits."""
+    """Search the layout over the GPUs (TP, PP, DP, ZeRO / FSDP, offload), micro batch, accumulation,
+    checkpointing and attention (precision and optimizer when you list them or say 'any'); rank what fits."""
     from memplan import api
 
     if emit:  # what cannot be written is refused before the search runs and prints

@@ -10,7 +10,7 @@ from rich.table import Table
 from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.inputs.defaults import line
 from memplan.search.rank import sharding_label
-from memplan.search.suggestion import Suggestion
+from memplan.search.plan import Suggestion
 
 GIB = 1 << 30
 MIB = 1 << 20

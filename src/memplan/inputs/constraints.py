@@ -129,7 +129,8 @@ def _c(name: str, needs: str, reads: str, invalid: Rule, message: Rule | str, ex
 # -- the model facts (attention implementations, kernel support) ----------------------------------------
 
 
-def _precisions(task: str) -> tuple[str, ...]:
+def precisions_of(task: str) -> tuple[str, ...]:
+    """The precisions a task has (training: mixed or pure; inference: weight formats too)."""
     return TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS
 
 
@@ -140,9 +141,9 @@ def _cc(gpu: GPUProfile) -> str:
 TABLE: tuple[Constraint, ...] = (
     # -- the workload alone (Workload validation); first violation wins, in this order -------------------
     _c("precision-for-task", "workload", "task precision",
-       lambda w, m, g: w.precision not in _precisions(w.task),
+       lambda w, m, g: w.precision not in precisions_of(w.task),
        lambda w, m, g: f"precision {w.precision!r} is not valid for --task {w.task} "
-                       f"(choose from {', '.join(_precisions(w.task))})",
+                       f"(choose from {', '.join(precisions_of(w.task))})",
        {"precision": "int8"}),
     _c("checkpointing-trains", "workload", "task grad_ckpt",
        lambda w, m, g: w.task == "infer" and w.grad_ckpt != "none",

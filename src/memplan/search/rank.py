@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.inputs.workload import Workload
+from memplan.search.space import shardings
 from memplan.search.cost import StepTime, Throughput
 
 
@@ -116,8 +117,7 @@ def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:
     """For each knob, the best plan that changes only that knob (micro batch and accumulation chosen
     again): what it would cost in memory and speed, or that it does not fit."""
     w = best.base
-    shardings = [(z, "none") for z in space.zeros] + [(0, f) for f in space.fsdps if f != "none"]
-    searched = {"sharding": shardings, "offload": space.offloads, "tp": space.tps, "pp": space.pps,
+    searched = {"sharding": shardings(space, w.dp), "offload": space.offloads, "tp": space.tps, "pp": space.pps,
                 "sp": space.sps, "vpp": space.vpps, "grad_ckpt": space.ckpts, "attn": space.attns,
                 "kernels": space.kernels, "tiled_mlp": space.tiled}
     out = []

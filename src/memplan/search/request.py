@@ -47,7 +47,8 @@ class SearchRequest(BaseModel):
     sp: Choice = None
     vpp: Choice = None
     fsdp: Choice = None
-    kernels: bool | None = None  # None: searched on one GPU where the model has them
+    # None: off (defaults.KERNELS / TILED_MLP); tried as an alternative on one GPU where the model has them
+    kernels: bool | None = None
     tiled_mlp: bool | None = None
     cpu_mem: Annotated[int | None, bounded("cpu_mem")] = None  # host RAM per node, bytes: offload plans must fit it
     net_gbs: float | None = None

@@ -7,13 +7,13 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from memplan.errors import UserError
-from memplan.estimator.rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
+from memplan.estimator.rules import OPTIMIZERS
 from memplan.estimator.families import fused_loss_supported, supported_attn, tiled_mlp_supported
 from memplan.inputs import constraints, defaults as chosen
 from memplan.inputs.defaults import precision as best_mixed_precision, seq_len as default_seq_len
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
-from memplan.inputs.workload import Workload, canonical_optim
+from memplan.inputs.workload import ATTN_ALIASES, Workload, canonical_optim
 from memplan.search.request import SearchRequest
 
 ATTNS = ("flash", "sdpa", "eager", "memplan")
@@ -53,8 +53,9 @@ class Space(NamedTuple):
         return self.gpus * self.nodes
 
 
-def supported_precisions(gpu: GPUProfile, task: str) -> list[str]:
-    return [p for p in (TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS) if gpu.bf16 or "bf16" not in p]
+def supported_precisions(spec: ModelSpec, gpu: GPUProfile, task: str) -> list[str]:
+    """The task's precisions the constraints table lets this GPU run (bf16 needs sm80)."""
+    return constraints.allowed({"task": task}, "precision", constraints.precisions_of(task), spec, gpu)
 
 
 def divisors(n: int) -> list[int]:
@@ -124,17 +125,18 @@ def space(req: SearchRequest) -> Space:
 def _values(req: SearchRequest) -> Space:
     spec, gpu, train, world = req.spec, req.gpu, req.train, req.gpus * req.nodes
     # memplan's tiled attention saves what SDPA and FlashAttention-2 save: searched when asked (--attn)
-    attns = [a for a in supported_attn(spec) if (a != "flash" or gpu.flash_attention) and a != "memplan"]
+    attns = [a for a in constraints.allowed({"task": req.task}, "attn", supported_attn(spec), spec, gpu)
+             if a != "memplan"]
     return Space(
         seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or chosen.GLOBAL_BATCH,
         gpus=req.gpus, nodes=req.nodes,
-        precisions=_parse_choice(req.precision, supported_precisions(gpu, req.task),
+        precisions=_parse_choice(req.precision, supported_precisions(spec, gpu, req.task),
                                  [best_mixed_precision(gpu, req.task)], "precision",
-                                 known=TRAIN_PRECISIONS if train else INFER_PRECISIONS),
+                                 known=constraints.precisions_of(req.task)),
         optims=_parse_choice(req.optim, list(OPTIMIZERS), [chosen.OPTIM], "optimizer", canonical_optim)
         if train else [chosen.OPTIM],
         ckpts=_parse_choice(req.grad_ckpt, CKPTS, list(CKPTS) if train else ["none"], "checkpointing"),
-        attns=_parse_choice(req.attn, ATTNS, attns, "attention", lambda a: {"flash_attention_2": "flash"}.get(a, a)),
+        attns=_parse_choice(req.attn, ATTNS, attns, "attention", lambda a: ATTN_ALIASES.get(a, a)),
         tps=_parse_ints(req.tp, divisors(req.gpus) if train else [1], "tp"),
         pps=_parse_ints(req.pp, divisors(world) if train else [1], "pp"),
         zeros=[int(z) for z in _parse_choice(req.zero, ZEROS, list(ZEROS) if train and req.fsdp is None else ["0"],
@@ -176,21 +178,27 @@ def layouts(req: SearchRequest, sp: Space, notes: list[str]) -> Iterator[tuple[i
                      f"{', '.join(skipped[:4])}" + (" ..." if len(skipped) > 4 else ""))
 
 
+def shardings(sp: Space, dp: int) -> list[tuple[int, str]]:
+    """The (ZeRO stage, FSDP strategy) pairs a layout of `dp` data-parallel ranks searches: FSDP over one
+    rank shards nothing, and hybrid-shard inside one node is full-shard."""
+    out = [(z, "none") for z in sp.zeros]
+    if dp > 1:
+        out += [(0, f) for f in sp.fsdps if f != "none" and (f != "hybrid-shard" or sp.nodes > 1)]
+    return out
+
+
 def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Workload]:
     """Every setting of the knobs other than the micro batch that the constraints allow, on one layout
     (micro batch 1, the whole per-rank batch accumulated)."""
     spec, gpu = req.spec, req.gpu
     fixed = dict(req.common(), micro_batch=1, seq_len=sp.seq, grad_accum=sp.global_batch // dp, gpus=sp.gpus,
                  nodes=sp.nodes, tp=tp, pp=pp)
-    shardings = [(z, "none") for z in sp.zeros]
-    if dp > 1:  # FSDP over one GPU shards nothing; hybrid-shard inside one node is full-shard
-        shardings += [(0, f) for f in sp.fsdps if f != "none" and (f != "hybrid-shard" or sp.nodes > 1)]
     # a knob asked for applies where it can: where the layout refuses every asked value, it is off
     # (SP without TP, an interleaved schedule without a pipeline, the fused loss under TP)
     def where_possible(name: str, values: list, off) -> list:
         return constraints.allowed(fixed, name, values, spec, gpu) or [off]
 
-    axes = [(("zero", "fsdp"), shardings), ("offload", sp.offloads), ("sp", where_possible("sp", sp.sps, False)),
+    axes = [(("zero", "fsdp"), shardings(sp, dp)), ("offload", sp.offloads), ("sp", where_possible("sp", sp.sps, False)),
             ("vpp", where_possible("vpp", sp.vpps, 1)), ("precision", sp.precisions), ("optim", sp.optims),
             ("grad_ckpt", sp.ckpts), ("attn", sp.attns), ("kernels", where_possible("kernels", sp.kernels, False)),
             ("tiled_mlp", where_possible("tiled_mlp", sp.tiled, False))]

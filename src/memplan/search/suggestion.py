@@ -26,12 +26,12 @@ from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
-from memplan.search.evaluate import Found, host_limit, host_ram, plan, search_pass
-from memplan.search.plan import FSDP_EQUIVALENT, Alternative, Plan, Suggestion  # noqa: F401  (their old home)
+from memplan.search.evaluate import host_limit, host_ram, plan, search_pass
+from memplan.search.plan import Alternative, Suggestion
 from memplan.search.rank import Candidate, distinct, explain, pareto, rank_key
-from memplan.search.request import OBJECTIVES, SearchRequest  # noqa: F401
-from memplan.search.space import (  # noqa: F401  (best_mixed_precision, default_seq_len: their old home)
-    Space, best_mixed_precision, default_seq_len, defaults, divisors, kernel_options, space, supported_precisions,
+from memplan.search.request import SearchRequest
+from memplan.search.space import (
+    Space, best_mixed_precision, defaults, divisors, kernel_options, space, supported_precisions,
 )
 
 # what the user keeps closed, and the option that would open it (said when nothing fits)
@@ -93,13 +93,18 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
 
 
+def _plain_trainer_first(req: SearchRequest) -> bool:
+    """Training with no sharding named: on one GPU the plain Trainer is searched first, DeepSpeed only
+    where it does not fit."""
+    return req.train and req.zero is None and req.offload is None and req.fsdp is None
+
+
 def run_passes(req: SearchRequest, full: Space, notes: list[str]) -> Searched:
     """The search passes: the space (on one GPU the plain Trainer first, DeepSpeed only if it does not
     fit), then for --objective min-gpus the fewest GPUs on which some plan fits."""
     # On one GPU DeepSpeed partitions nothing; it only changes the numerics (a half model with an fp32
     # master copy instead of autocast) or offloads to the host.
-    deepspeed_later = (full.world == 1 and req.train and req.zero is None and req.offload is None
-                       and req.fsdp is None)
+    deepspeed_later = full.world == 1 and _plain_trainer_first(req)
     sp = full._replace(zeros=[0], offloads=["none"]) if deepspeed_later else full
     found, n, short = search_pass(req, sp, notes)
     if deepspeed_later and not found:
@@ -162,8 +167,8 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
         tps=[best.base.tp], pps=[best.base.pp], zeros=[best.base.zero], offloads=[best.base.offload],
         sps=[best.base.sp], vpps=[best.base.vpp], fsdps=[best.base.fsdp])
     wider, n, _ = search_pass(req, layout._replace(
-        precisions=sp.precisions if req.precision is not None else supported_precisions(req.gpu, req.task),
-        optims=sp.optims if req.optim is not None else ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]))
+        precisions=sp.precisions if req.precision is not None else supported_precisions(req.spec, req.gpu, req.task),
+        optims=sp.optims if req.optim is not None else [OPTIM, "adamw_bnb_8bit", "adafactor"]))
     wider.sort(key=lambda c: rank_key(c, req.objective))
     mine = (best.base.precision, best.base.optim) if best else (best_mixed_precision(req.gpu, req.task), OPTIM)
     out: list[Alternative] = []
@@ -175,9 +180,7 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
         seen.add(key)
         if best is None or c.samples_per_s > best.samples_per_s * 1.01:
             change = ", ".join(f"--{opt} {v}" for opt, v, was in zip(("precision", "optim"), key, mine) if v != was)
-            gain = (f"{c.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {c.mb}"
-                    if best else f"fits with micro batch {c.mb}")
-            out.append(Alternative(change=change, gain=gain, plan=plan(req, c)))
+            out.append(Alternative(change=change, gain=_gain(c, best), plan=plan(req, c)))
         if len(out) == 3:
             break
     return out, n
@@ -192,7 +195,7 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     best = found[0] if found else None
     # one GPU (kernel_options): as run_passes, the plain Trainer first (the kernels may spare DeepSpeed),
     # DeepSpeed only where it does not fit
-    plain = req.zero is None and req.offload is None and req.fsdp is None
+    plain = _plain_trainer_first(req)
     n, with_kernels = 0, []
     for space_ in ([sp._replace(zeros=[0], offloads=["none"])] if plain else []) + [sp]:
         wider, m, _ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
@@ -205,10 +208,14 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     if c is None or (best is not None and c.samples_per_s <= best.samples_per_s * 1.01):
         return [], n
     change = " ".join(opt for opt, on in (("--kernels", c.base.kernels), ("--tiled-mlp", c.base.tiled_mlp)) if on)
-    gain = (f"{c.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {c.mb}" if best
-            else f"fits with micro batch {c.mb}")
     call = f"memplan.kernels.apply(model, loss={c.base.kernels}, mlp={c.base.tiled_mlp}) in the training script"
-    return [Alternative(change=change, gain=f"{gain}; needs {call}", plan=plan(req, c))], n
+    return [Alternative(change=change, gain=f"{_gain(c, best)}; needs {call}", plan=plan(req, c))], n
+
+
+def _gain(c: Candidate, best: Candidate | None) -> str:
+    """What an alternative buys over the best plan (or that it fits when nothing else does)."""
+    return (f"{c.samples_per_s / best.samples_per_s - 1:+.0%} samples/s, micro batch {c.mb}" if best
+            else f"fits with micro batch {c.mb}")
 
 
 def searched(sp: Space, world: int) -> dict[str, list[str]]:
@@ -272,4 +279,4 @@ def nothing_fits(req: SearchRequest, sp: Space, host_short: int = 0) -> str:
     return msg + (", or a shorter --seq-len" if req.train else "; try a shorter --seq-len or int4 weights")
 
 
-__all__ = ["suggest", "Plan", "Suggestion", "Alternative", "Found", "SearchRequest", "Space"]
+__all__ = ["suggest"]
