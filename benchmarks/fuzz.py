@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
-from fuzz_cases import api_calls, command_lines, run_api, run_cli  # noqa: E402  (tests/fuzz_cases.py)
+from fuzz_cases import CALL_SECONDS, api_calls, command_lines, run_api, run_cli  # noqa: E402  (tests/fuzz_cases.py)
 
 # the suite's split (tests/test_fuzz.py: 600 / 80 / 300 / 60 of 1,040)
 SHARES = {"cli estimate": 600, "cli suggest": 80, "api estimate": 300, "api suggest": 60}
@@ -67,7 +67,7 @@ def run(cases: int, seed_value: int) -> dict:
         "broken_by_problem": dict(collections.Counter(o.problems[0].split(":")[0][:60] for o in outcomes if o.problems)),
         "broken_cases": broken[:50],
         "slowest": [{"call": o.call, "result": o.result, "seconds": round(o.seconds, 3)} for o in slowest],
-        "time_bound_seconds": __import__("fuzz_cases").CALL_SECONDS,
+        "time_bound_seconds": CALL_SECONDS,
     }
 
 

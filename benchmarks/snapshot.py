@@ -43,7 +43,7 @@ def _estimates() -> list[dict]:
         grid.append({"kind": "estimate", "model": model, "gpu": gpu, "kw": kw})
 
     # every family on one GPU: precision x checkpointing x attention, one optimizer each
-    families = {  # model -> (attention implementations it has, head)
+    families = {  # model -> the attention implementations it has
         "bert-base": ("eager", "sdpa"), "roberta-base": ("eager", "sdpa"), "distilbert-base": ("eager", "sdpa"),
         "gpt2": ("eager", "sdpa", "flash"), "opt-350m": ("eager", "sdpa", "flash"),
         "pythia-410m": ("eager", "sdpa", "flash"), "t5-small": ("eager", "sdpa"),
@@ -162,17 +162,13 @@ def run_case(case: dict) -> dict:
         return {"error": str(e)}
 
 
-def _forked(case: dict) -> dict:
-    return run_case(case)
-
-
 def compute(one_process: bool) -> dict[str, dict]:
     cases = grid()
     if one_process:
         results = [run_case(c) for c in cases]
     else:
         with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
-            results = pool.map(_forked, cases, chunksize=1)
+            results = pool.map(run_case, cases, chunksize=1)
     return {key(c): r for c, r in zip(cases, results)}
 
 

@@ -187,7 +187,7 @@ def run_cli(args: list[str], kind: str = "cli") -> Outcome:
     lines = err.getvalue().strip().splitlines()
     problems += _cli_problems(code, lines, out.getvalue(), "--json" in args)
     problems += [f"warning: {w.category.__name__}: {w.message}" for w in caught
-                 if issubclass(w.category, (RuntimeWarning, OverflowError))]
+                 if issubclass(w.category, RuntimeWarning)]
     if seconds > CALL_SECONDS:
         problems.append(f"took {seconds:.1f} s")
     return Outcome(kind, "memplan " + " ".join(repr(a) if not a or " " in a else a for a in args),

@@ -333,3 +333,20 @@ def test_cli_emit_refuses_an_unwritable_directory_before_searching(out, memplan_
     r = memplan_cli("suggest", "--model", "bert-large", "--gpu", "v100-16g", "--emit", "all", "-o", out)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (r.stdout, r.stderr)
     assert "-o" in r.stderr
+
+
+def test_cli_emit_refuses_before_searching_every_file_it_may_write(tmp_path, memplan_cli):
+    """train.py (and ds_config.json, which a DeepSpeed plan's TrainingArguments name) are checked with the
+    rest before the search prints anything; -o without --emit and a name no file system takes are refused."""
+    (tmp_path / "train.py").write_text("mine")
+    r = memplan_cli("suggest", "--model", "bert-large", "--gpu", "v100-16g", "--emit", "trainer", "-o", str(tmp_path))
+    assert r.returncode == 2 and r.stdout == "" and "train.py" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    for argv in (("-o", str(tmp_path / "x")), ("--force",), ("--emit", "all", "-o", "x" * 300)):
+        r = memplan_cli("suggest", "--model", "bert-large", "--gpu", "v100-16g", *argv)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+
+
+def test_trainer_files_of_a_deepspeed_plan_bring_the_ds_config_they_name():
+    p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]
+    files = emit.render(p, memplan.resolve_model("llama-3.1-8b"), ("trainer",))
+    assert json.loads(files["training_args.json"])["deepspeed"] == "ds_config.json" and "ds_config.json" in files

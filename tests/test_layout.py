@@ -55,7 +55,7 @@ def test_every_cited_doc_and_source_file_exists():
                                 text):
             if not (ROOT / cited).exists():
                 missing.append(f"{p.relative_to(ROOT)}: {cited}")
-        for cited in re.findall(r"(?<![\w/.])((?:inputs|estimator|search|verify|cli|kernels)/\w+\.py)", text):
+        for cited in re.findall(r"(?<![\w/.])((?:inputs|estimator|search|verify|cli|kernels|emit)/\w+\.py)", text):
             if not (PACKAGE / cited).exists():
                 missing.append(f"{p.relative_to(ROOT)}: {cited}")
     assert missing == []

@@ -174,7 +174,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--emit", type=click.Choice(["trainer", "deepspeed", "accelerate", "all"]),
               help="write the first plan's launch files: TrainingArguments (JSON + .py), ds_config.json, "
               "accelerate_config.yaml, plan.json (with the launch section), train.py and launch.sh")
-@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="directory for --emit; '-' prints")
+@click.option("-o", "--out", "out_dir", help="directory for --emit [default: .]; '-' prints")
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
             kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
@@ -183,6 +183,9 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
     checkpointing and attention (precision and optimizer when you list them or say 'any'); rank what fits."""
     from memplan import api
 
+    if not emit and (out_dir is not None or force):
+        raise UserError("-o and --force go with --emit (which files to write)")
+    out_dir = "." if out_dir is None else out_dir
     if emit:  # what cannot be written is refused before the search runs and prints
         from memplan import emit as emit_files
 
@@ -208,8 +211,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
     if emit:
         if not s.plans:
             raise UserError("nothing fits: no plan to emit")
-        what = ("trainer", "deepspeed", "accelerate") if emit == "all" else (emit,)
-        written = s.plans[0].write(out_dir, what, force=force, spec=api.resolve_spec(model, head, trust_remote_code))
+        written = s.plans[0].write(out_dir, emit_files.emit_kinds(emit), force=force, spec=api.resolve_spec(model, head, trust_remote_code))
         if written and not as_json:
             click.echo("wrote " + ", ".join(written))
 
@@ -220,8 +222,9 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--grad-accum", type=int, help="[default: 1]")
 @click.option("--precision", help=PRECISION_HELP)
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), help="[default: none]")
-@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan from `suggest --json` "
-              "(its first plan, or --plan-index); options given here override the plan's")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan: the plan.json that "
+              "--emit wrote, or `suggest --json` output (its first plan, or --plan-index); options given here "
+              "override the plan's")
 @click.option("--plan-index", type=int, default=0, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
               help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "

@@ -15,10 +15,10 @@
 from memplan.emit.accelerate_yaml import accelerate_config
 from memplan.emit.common import DS_CONFIG, layer_classes, uses_deepspeed
 from memplan.emit.ds_config import deepspeed_config
-from memplan.emit.files import check_directory, emit_names, render, sidecar, write
+from memplan.emit.files import check_directory, emit_kinds, emit_names, render, sidecar, write
 from memplan.emit.launch import launch_section
 from memplan.emit.trainer import compile_pays, training_arguments, training_arguments_py
 
-__all__ = ["DS_CONFIG", "accelerate_config", "check_directory", "compile_pays", "deepspeed_config", "emit_names",
+__all__ = ["DS_CONFIG", "accelerate_config", "check_directory", "compile_pays", "deepspeed_config", "emit_kinds", "emit_names",
            "launch_section", "layer_classes", "render", "sidecar", "training_arguments", "training_arguments_py",
            "uses_deepspeed", "write"]

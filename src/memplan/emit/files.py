@@ -18,9 +18,12 @@ from memplan.errors import UserError
 from memplan.inputs.modelspec import ModelSpec
 
 KINDS = ("trainer", "deepspeed", "accelerate")
-# The files each kind writes whatever the plan (ds_config.json only for DeepSpeed plans, which
-# `--emit deepspeed` asks for); plan.json always. The CLI checks these before it searches.
-CERTAIN = {"trainer": (TRAINING_ARGS, "training_args.py"), "deepspeed": (DS_CONFIG,), "accelerate": (ACCELERATE_YAML,)}
+TRAINING_ARGS_PY = "training_args.py"
+# The files each kind may write, whatever the plan turns out to be: the CLI refuses a clash with any of
+# them before it searches. The trainer and accelerate files point at ds_config.json under DeepSpeed, so
+# it comes with them; plan.json always.
+MAY_WRITE = {"trainer": (TRAINING_ARGS, TRAINING_ARGS_PY, TRAIN_PY, LAUNCH_SH, DS_CONFIG), "deepspeed": (DS_CONFIG,),
+             "accelerate": (ACCELERATE_YAML, LAUNCH_SH, DS_CONFIG)}
 
 
 def sidecar(plan, launch: dict | None = None) -> dict:
@@ -42,14 +45,15 @@ def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
     if "trainer" in what and (plan.pp == 1 or what == ("trainer",)):  # pipelines: said in launch.not_expressed
         kw = training_arguments(plan, spec)
         out[TRAINING_ARGS] = json.dumps(kw, indent=1) + "\n"
-        out["training_args.py"] = training_arguments_py(plan, kw)
+        out[TRAINING_ARGS_PY] = training_arguments_py(plan, kw)
         out[TRAIN_PY] = (Path(__file__).parent / "train.py").read_text(encoding="utf-8")
-    if "deepspeed" in what and uses_deepspeed(plan):
-        out[DS_CONFIG] = json.dumps(deepspeed_config(plan, spec), indent=1) + "\n"
     if "accelerate" in what:
         head = (f"# memplan {__version__}: {plan.estimate.model.name}, predicted peak "
                 f"{plan.estimate.device_used_bytes / 2**30:.2f} GiB per GPU; see plan.json\n")
         out[ACCELERATE_YAML] = head + yaml.safe_dump(accelerate_config(plan, spec), sort_keys=False)
+    # a DeepSpeed plan's TrainingArguments and accelerate YAML name ds_config.json: it comes with them
+    if uses_deepspeed(plan) and ("deepspeed" in what or TRAINING_ARGS in out or ACCELERATE_YAML in out):
+        out[DS_CONFIG] = json.dumps(deepspeed_config(plan, spec), indent=1) + "\n"
     launch = launch_section(plan, set(out))
     if launch["command"]:
         out[LAUNCH_SH] = launch_script(launch)
@@ -65,7 +69,13 @@ def check_directory(directory: str, names: tuple[str, ...] = (), force: bool = F
         return
     if not directory.strip():
         raise UserError("-o: empty directory name (use -o . for the working directory, - to print)")
-    d = Path(directory)
+    try:
+        _check_existing(Path(directory), directory, names, force)
+    except (OSError, ValueError) as e:  # a name no file system takes (too long, a NUL byte)
+        raise UserError(f"-o: cannot write there ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _check_existing(d: Path, directory: str, names: tuple[str, ...], force: bool) -> None:
     if d.exists() and not d.is_dir():
         raise UserError(f"-o {directory}: not a directory")
     clash = [name for name in names if (d / name).exists()]
@@ -81,10 +91,14 @@ def check_directory(directory: str, names: tuple[str, ...] = (), force: bool = F
         raise UserError(f"-o {directory}: cannot write there ({e.strerror or e})") from None
 
 
+def emit_kinds(emit: str) -> tuple[str, ...]:
+    """The kinds `--emit` names (`all`: every kind)."""
+    return KINDS if emit == "all" else (emit,)
+
+
 def emit_names(emit: str) -> tuple[str, ...]:
-    """The files `--emit KIND` writes whatever the plan."""
-    kinds = KINDS if emit == "all" else (emit,)
-    return tuple(n for k in kinds for n in CERTAIN[k] if (k != "deepspeed" or emit == "deepspeed")) + (PLAN_JSON,)
+    """The files `--emit KIND` may write (checked for clashes before the search)."""
+    return tuple(dict.fromkeys(n for k in emit_kinds(emit) for n in MAY_WRITE[k])) + (PLAN_JSON,)
 
 
 def write(files: dict[str, str], directory: str, force: bool = False) -> list[str]:

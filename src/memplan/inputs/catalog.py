@@ -141,8 +141,9 @@ def _read_local_config(path: Path) -> tuple[dict[str, Any], str]:
 
 
 # How long `memplan` waits to learn whether the hub answers before it says it is offline: a TCP connect
-# to huggingface.co (or the HTTPS proxy) takes well under a second where there is a network (measured
-# 0.1-0.3 s); without one, transformers' own retries took 28-34 s (issue 14).
+# to huggingface.co (or the HTTPS proxy) is one round trip where there is a network, well under a
+# second; without one, transformers' own retries took 28-34 s on this machine (`memplan estimate -m
+# someorg/not-a-model`, timed before this probe existed).
 HUB_PROBE_SECONDS = 2.0
 
 

@@ -76,6 +76,7 @@ INTER = ("intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim")
 HEAD_DIM = ("head_dim", "d_kv")
 KV_HEADS = ("num_key_value_heads",)
 EXPERTS = ("num_local_experts", "num_experts")
+POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 # (names, low, high, why high refuses no real model). The bounds keep every byte count of a step inside
 # int64 together with constraints.BOUNDS (measured there: 256 layers x 256 heads at the sequence and
 # token bounds, 2.6e18 bytes < 2**63).
@@ -90,7 +91,7 @@ CONFIG_DIMS: tuple[tuple[tuple[str, ...], int, int, str], ...] = (
     (("vocab_size",), 1, 2**21, "gemma-2: 256,000"),
     (EXPERTS, 0, 1024, "DeepSeek-V3: 256 routed experts"),
     (("num_experts_per_tok",), 0, 1024, "at most the experts"),
-    (("max_position_embeddings", "n_positions", "n_ctx"), 0, 2**24, "Llama 4 Scout: 10,485,760"),
+    (POSITIONS, 0, 2**24, "Llama 4 Scout: 10,485,760"),
     (("image_size",), 1, 2**14, "ViT: 224-518"),
     (("patch_size",), 1, 2**14, "ViT: 14-32"),
 )
@@ -213,7 +214,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
     prefix = fam.gated_act_prefix
     if prefix and str(act).startswith(prefix):  # T5 v1.1 "gated-gelu"; original T5's "relu" is a plain MLP
         mlp, act = "gated", str(act)[len(prefix):]
-    max_pos = _get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0)
+    max_pos = _get(cfg, *POSITIONS, default=0)
     if arch == "encoder-decoder" and not max_pos:
         max_pos = 512  # T5 has relative positions; 512 is its pre-training length
     vision = arch == "vision"

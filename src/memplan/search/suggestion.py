@@ -73,9 +73,10 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     t0 = time.perf_counter()
     req = SearchRequest.of(spec, gpu, **options)
     notes: list[str] = []
-    s = run_passes(req, space(req), notes)
+    full = space(req)
+    s = run_passes(req, full, notes)
     found, sp = s.found, s.space
-    notes += plan_notes(req, found, sp)
+    notes += plan_notes(req, found, sp, full)
     alternatives, n = alternatives_of(req, sp, found)
     kernel_alt, k = kernels_alternative(req, sp, found)
     alternatives += kernel_alt
@@ -124,14 +125,18 @@ def run_passes(req: SearchRequest, full: Space, notes: list[str]) -> Searched:
     return Searched(found, n, sp, short)
 
 
-def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space) -> list[str]:
+def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space, full: Space) -> list[str]:
     """What the first plans need from the user (memplan's kernels called, host RAM for offload), and
     the GPUs that --objective min-gpus found."""
     out = []
     best = found[0] if found else None
     if best and (best.base.kernels or best.base.tiled_mlp):
-        # what the kernels buy: the best plan without them (found is ranked)
-        plain = next((c for c in found if not (c.base.kernels or c.base.tiled_mlp)), None)
+        # what the kernels buy: the best plan without them (found is ranked; where the user named the
+        # kernels, the plans without them are searched here as the request's passes search: the plain
+        # Trainer first, DeepSpeed where it does not fit)
+        without = found if (False in sp.kernels and False in sp.tiled) else run_passes(
+            req, full._replace(kernels=[False], tiled=[False]), []).found
+        plain = next((c for c in without if not (c.base.kernels or c.base.tiled_mlp)), None)
         out.append(kernels_note(best.base) + ("; without them nothing fits" if plain is None else
                    f"; without them the best plan runs micro batch {plain.mb} at "
                    f"{plain.tokens_per_s / best.tokens_per_s - 1:+.0%} tokens/s"))
