@@ -1,4 +1,4 @@
-"""Regenerate every `spec` in planner/catalog.json from its `config` (real model on the meta device).
+"""Regenerate every `spec` in src/memplan/inputs/catalog.json from its `config` (real model on the meta device).
 
     python scripts/build_catalog.py            # rewrite the catalog
     python scripts/build_catalog.py --check    # exit 1 if a stored spec is stale
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from memplan.inputs.hf import spec_from_config
 
-CATALOG = Path(__file__).resolve().parent.parent / "planner" / "catalog.json"
+CATALOG = Path(__file__).resolve().parent.parent / "src" / "memplan" / "inputs" / "catalog.json"
 ENTRY_KEYS = ("name", "hf_id", "aliases", "source", "config", "spec")
 
 
@@ -32,7 +32,7 @@ def dumps(doc: dict) -> str:
     text = json.dumps(doc, indent=1, ensure_ascii=False)
     flat = lambda m: re.sub(r"\s*\n\s*", " ", m.group(0)).replace("[ ", "[").replace(" ]", "]").replace("{ ", "{").replace(" }", "}")
     text = re.sub(r"\[[^\[\]{}]*\]", flat, text)  # innermost lists, e.g. shapes
-    text = re.sub(r"\{[^{}]*\}", lambda m: flat(m) if len(flat(m)) <= 100 else m.group(0), text)  # param rows
+    text = re.sub(r"\{[^{}]*\}", lambda m: flat(m) if len(flat(m)) <= 200 else m.group(0), text)  # param rows
     return text + "\n"
 
 

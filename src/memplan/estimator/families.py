@@ -69,6 +69,11 @@ class Family:
     # loss and gradients with the unpatched model (tests/test_selective.py).
     selective: bool = False
 
+    # -- fine-tuning (estimator/finetune.py) -----------------------------------------------------------------
+    # PEFT's default LoRA target_modules for the model type (peft 0.21, utils/constants.py
+    # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); (): PEFT has none and asks for target_modules
+    lora_targets: tuple[str, ...] = ()
+
     @property
     def kernels(self) -> bool:
         """memplan.kernels.apply has something for this family: the fused loss or the tiled MLP."""
@@ -80,32 +85,33 @@ _DECODER = dict(arch="decoder", selective=True)
 _ROTARY_GATED = dict(_DECODER, mlp="gated", norm="rmsnorm", position="rotary", softmax_fp32=True)
 # memplan.kernels' full support: fused causal-LM loss on the base model `model`, tiled MLP, tiled attention
 _KERNELS = dict(fused_loss_causal_base="model", tiled_mlp=True, memplan_attention=True)
+_QV = ("q_proj", "v_proj")  # PEFT's default LoRA targets for most decoders
 
 FAMILIES: dict[str, Family] = {
     # BertOutput ends the feed-forward with its LayerNorm, inside the tiled region (BertLayer.feed_forward_chunk);
     # deberta_v2's masked LM also takes CrossEntropyLoss on raw logits (not modelled: no activation model).
-    "bert": Family(**_ENCODER, mlm_raw_logits_loss=True, tiled_mlp_norms=1, memplan_attention=True,
+    "bert": Family(**_ENCODER, lora_targets=("query", "value"), mlm_raw_logits_loss=True, tiled_mlp_norms=1, memplan_attention=True,
                    fused_loss_mlm_base="bert", tiled_mlp=True, tiled_ffn_layer="BertLayer"),
-    "roberta": Family(**_ENCODER, mlm_raw_logits_loss=True),
+    "roberta": Family(**_ENCODER, lora_targets=("query", "value"), mlm_raw_logits_loss=True),
     "distilbert": Family(**_ENCODER),
     # GPT2Attention.c_attn is one Conv1D for q, k, v
-    "gpt2": Family(**_DECODER, mlp_width_4h_when_unset=True, qkv_linears=1, query_views_fused_qkv=True,
+    "gpt2": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1, query_views_fused_qkv=True,
                    fused_loss_causal_base="transformer", tiled_mlp=True, memplan_attention=True),
-    "opt": Family(**_DECODER, softmax_fp32=True),
+    "opt": Family(**_DECODER, lora_targets=_QV, softmax_fp32=True),
     # GPTNeoXAttention.query_key_value; GPTNeoXLayer: use_parallel_residual
-    "gpt_neox": Family(**_DECODER, position="rotary", softmax_fp32=True, qkv_linears=1, parallel_residual=True),
+    "gpt_neox": Family(**_DECODER, lora_targets=("query_key_value",), position="rotary", softmax_fp32=True, qkv_linears=1, parallel_residual=True),
     # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
-    "t5": Family(arch="encoder-decoder", norm="rmsnorm", position="relative", gated_act_prefix="gated-",
+    "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative", gated_act_prefix="gated-",
                  softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",), selective=True),
-    "llama": Family(**_ROTARY_GATED, **_KERNELS),
-    "mistral": Family(**_ROTARY_GATED, **_KERNELS),
-    "mixtral": Family(**_ROTARY_GATED),
-    "qwen2": Family(**_ROTARY_GATED, **_KERNELS),
-    "gemma": Family(**_ROTARY_GATED, **_KERNELS),
+    "llama": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    "mistral": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    "mixtral": Family(**_ROTARY_GATED, lora_targets=_QV),
+    "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
     # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
     # (no memplan attention)
-    "gemma2": Family(**_ROTARY_GATED, norms_per_layer=4, sliding_every=2, attn_unsupported=("sdpa",),
+    "gemma2": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, sliding_every=2, attn_unsupported=("sdpa",),
                      fused_loss_causal_base="model", tiled_mlp=True),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),

@@ -9,7 +9,7 @@ from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
-from memplan.estimator.states import autocast_copies, rounded
+from memplan.estimator.states import autocast_copies, by_shape, rounded
 from memplan.estimator.meters import gpu_workspace, meters
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.profiles import GPUProfile
@@ -57,7 +57,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     peak_phase = max(phases, key=lambda k: phases[k])
     parts = {"weights": weights, "autocast_cache": cache, "kv_cache": kv_prompt if peak_phase == "prefill" else kv,
              "transient": work if peak_phase == "prefill" else kv_grow}
-    persistent = segments_of([(g.numel * weight_bytes(fmt, g), g.count) for g in spec.params])
+    persistent = segments_of([(g.numel * weight_bytes(fmt, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of([(t.nbytes, t.count) for t in work_ts] if peak_phase == "prefill" else [])
     allocated, reserved, used = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,

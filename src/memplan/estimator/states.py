@@ -169,7 +169,7 @@ def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     prec, rule = train_precision(k), OPTIMIZERS[k.optim]
     n_states = max(rule.states + (1 if rule.momentum_arg and k.momentum else 0), 1)
     out: list[tuple[float, int]] = []
-    for g in groups:
+    for g in by_shape(groups):
         out.append((g.numel * prec.param, g.count))
         if prec.autocast and g.category in LINEAR_CATEGORIES:
             out.append((g.numel * HALF, g.count))  # the half copies autocast re-creates every step
@@ -179,6 +179,16 @@ def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
             if st:
                 out.append((st / n_states, g.count * n_states))
     return out
+
+
+def by_shape(groups) -> list[ParamGroup]:
+    """Groups of one category, shape, storage and trainability merged across modules (segment packing
+    fills mid-size segments group by group, as it did before groups carried their module)."""
+    merged: dict[tuple, ParamGroup] = {}
+    for g in groups:
+        key = (g.category, g.shape, g.trainable, g.store)
+        merged[key] = g.model_copy(update={"count": merged[key].count + g.count}) if key in merged else g
+    return list(merged.values())
 
 
 def tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool, tp: int) -> int:

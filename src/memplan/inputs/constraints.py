@@ -22,6 +22,7 @@ from pydantic import AfterValidator
 
 from memplan.errors import UserError
 from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
+from memplan.estimator.finetune import ALL_LINEAR, default_targets, linear_names, matches, under
 from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ BOUNDS: dict[str, Bound] = {
     "tp": Bound(1, 256, "tensor-parallel ranks", "TP stays inside a node"),
     "pp": Bound(1, 256, "pipeline stages", "a stage holds at least one of at most 256 layers (inputs/hf.py)"),
     "vpp": Bound(1, 256, "virtual stages per GPU", "pp x vpp divides the layers"),
+    # LoRA ranks in use run 1-256 (the LoRA paper used 1-64; rsLoRA tried up to 2048)
+    "lora_r": Bound(1, 4096, "LoRA rank", "rsLoRA (Kalajdzievski 2023) trained ranks up to 2,048"),
+    "trainable_layers": Bound(1, 256, "trainable blocks", "a model has at most 256 layers (inputs/hf.py)"),
     # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
     "cpu_mem": Bound(1, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
 }
@@ -225,12 +229,49 @@ TABLE: tuple[Constraint, ...] = (
                        f"is over memplan's bound of {MAX_TOKENS:,} tokens per GPU per micro batch (no GPU holds "
                        "the activations of that many)",
        {"micro_batch": 4096, "seq_len": 2048}),
+    # -- fine-tuning methods (docs/finetune.md) ----------------------------------------------------------
+    _c("method-trains", "workload", "method task",
+       lambda w, m, g: w.method != "full" and w.task == "infer",
+       "--method applies to training", {"method": "lora", "task": "infer", "precision": "fp16"}),
+    _c("lora-options-need-lora", "workload", "method lora_r lora_alpha lora_dropout lora_targets",
+       lambda w, m, g: w.method not in ("lora", "qlora") and (
+           w.lora_r != 8 or w.lora_alpha != 8 or w.lora_dropout != 0 or w.lora_targets),
+       "--lora-r, --lora-alpha, --lora-dropout and --lora-targets apply to --method lora or qlora",
+       {"lora_r": 16}),
+    _c("modules-to-save-need-method", "workload", "method modules_to_save",
+       lambda w, m, g: w.method == "full" and w.modules_to_save,
+       "--modules-to-save applies to --method lora, qlora or freeze (full fine-tuning trains everything)",
+       {"modules_to_save": ("lm_head",)}),
+    _c("quant-options-need-qlora", "workload", "method quant double_quant compute_dtype quant_storage",
+       lambda w, m, g: w.method != "qlora" and (
+           w.quant != "nf4" or not w.double_quant or w.compute_dtype != "auto" or w.quant_storage != "uint8"),
+       "--quant, --no-double-quant, --compute-dtype and --quant-storage apply to --method qlora",
+       {"method": "lora", "quant": "int8"}),
+    _c("freeze-needs-layers", "workload", "method trainable_layers",
+       lambda w, m, g: (w.method == "freeze") != (w.trainable_layers is not None),
+       lambda w, m, g: ("--method freeze needs --trainable-layers K (the last K blocks are trained)"
+                        if w.method == "freeze" else "--trainable-layers applies to --method freeze"),
+       {"method": "freeze"}),
+    _c("method-single-replica", "workload", "method zero fsdp tp pp",
+       lambda w, m, g: w.method != "full" and (w.zero > 0 or w.fsdp != "none" or w.tp > 1 or w.pp > 1),
+       lambda w, m, g: f"--method {w.method} is modelled on one GPU or under DDP (--zero 0); with DeepSpeed "
+                       "ZeRO, FSDP, --tp or --pp it is not modelled yet",
+       {"method": "lora", "gpus": 2, "zero": 2}),
+    _c("method-no-kernels", "workload", "method kernels tiled_mlp grad_ckpt",
+       lambda w, m, g: w.method != "full" and (w.kernels or w.tiled_mlp or w.grad_ckpt == "selective"),
+       lambda w, m, g: f"--method {w.method} is modelled with --grad-ckpt none or full and without memplan's "
+                       "kernels (--kernels, --tiled-mlp)",
+       {"method": "lora", "grad_ckpt": "selective"}),
     # -- the hardware ---------------------------------------------------------------------------------
     _c("bf16-needs-sm80", "gpu", "precision",
        lambda w, m, g: "bf16" in w.precision and not g.bf16,
        lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16 support (needs compute capability >= 8.0); "
                        "use --precision fp16",
        {"precision": "bf16"}, gpu="v100-16g"),
+    _c("compute-dtype-bf16-needs-sm80", "gpu", "compute_dtype",
+       lambda w, m, g: w.compute_dtype == "bf16" and not g.bf16,
+       lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16: --compute-dtype fp16", 
+       {"method": "qlora", "precision": "fp16", "compute_dtype": "bf16"}, gpu="v100-16g"),
     _c("flash-needs-sm80", "gpu", "attn",
        lambda w, m, g: w.attn == "flash" and not g.flash_attention,
        lambda w, m, g: f"FlashAttention-2 needs compute capability >= 8.0; {g.name} is sm {_cc(g)} "
@@ -287,6 +328,27 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: f"--seq-len {w.seq_len:,}" + (f" + --max-new-tokens {w.max_new_tokens:,}" if w.max_new_tokens
                                                     else "") + f" exceeds {m.name}'s {m.max_position:,} learned positions",
        {"seq_len": 2048}),
+    _c("lora-default-targets", "model", "method lora_targets",
+       lambda w, m, g: w.method in ("lora", "qlora") and not w.lora_targets and not default_targets(m),
+       lambda w, m, g: f"PEFT has no default LoRA target modules for {m.model_type}: name them with --lora-targets "
+                       f"(module names such as {', '.join(linear_names(m)[:4])}, or all-linear)",
+       {"method": "lora"}, model="phi-3-mini"),
+    _c("lora-targets-exist", "model", "method lora_targets",
+       lambda w, m, g: w.method in ("lora", "qlora") and w.lora_targets and w.lora_targets != (ALL_LINEAR,)
+       and not any(matches(p.module, w.lora_targets) for p in m.params if p.weight_of),
+       lambda w, m, g: f"--lora-targets {','.join(w.lora_targets)} matches no linear layer of {m.name} "
+                       f"(its linear modules: {', '.join(linear_names(m))}, or all-linear)",
+       {"method": "lora", "lora_targets": ("nonexistent",)}),
+    _c("modules-to-save-exist", "model", "method modules_to_save",
+       lambda w, m, g: any(not any(under(p.module, (n,)) for p in m.params) for n in w.modules_to_save),
+       lambda w, m, g: f"--modules-to-save: no module of {m.name} is named "
+                       f"{next(n for n in w.modules_to_save if not any(under(p.module, (n,)) for p in m.params))!r}",
+       {"method": "lora", "modules_to_save": ("nonexistent",)}),
+    _c("trainable-layers-within-model", "model", "trainable_layers",
+       lambda w, m, g: w.trainable_layers is not None and w.trainable_layers > (m.num_decoder_layers or m.num_layers),
+       lambda w, m, g: f"--trainable-layers {w.trainable_layers} exceeds {m.name}'s "
+                       f"{m.num_decoder_layers or m.num_layers} blocks",
+       {"method": "freeze", "trainable_layers": 99}),
     # each virtual stage holds layers / (pp * vpp) whole layers (Megatron-LM asserts the division)
     _c("vpp-divides-layers", "model", "pp vpp",
        lambda w, m, g: w.vpp > 1 and m.total_layers % (w.pp * w.vpp) != 0,

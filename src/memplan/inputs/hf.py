@@ -176,7 +176,7 @@ def spec_from_config(
     cfg, head = prepare_config(config, head, trust_remote_code)
     model = _meta_model(cfg, head, name, trust_remote_code)
     return ModelSpec(name=name, hf_id=hf_id, model_type=cfg.model_type, head=head, params=_param_table(model),
-                     **_architecture(cfg, head))
+                     unquantised=_unquantised(model), **_architecture(cfg, head))
 
 
 def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):
@@ -192,14 +192,33 @@ def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):
 
 
 def _param_table(model) -> tuple[ParamGroup, ...]:
-    """Parameters grouped by (category, shape, trainable), with their counts."""
-    groups: Counter[tuple[str, tuple[int, ...], bool]] = Counter()
+    """Parameters grouped by (category, owning module's path, shape, linear weight, trainable), with counts."""
+    from transformers.pytorch_utils import Conv1D
+    from torch import nn
+
+    modules = dict(model.named_modules())
+    groups: Counter[tuple[str, str, tuple[int, ...], str, bool]] = Counter()
     for pname, p in model.named_parameters():  # named_parameters() yields tied tensors once
-        groups[(categorize(pname), tuple(p.shape), p.requires_grad)] += 1
+        owner, leaf = pname.rpartition(".")[::2]
+        kind = type(modules[owner]).__name__ if isinstance(modules[owner], (nn.Linear, Conv1D)) else ""
+        weight_of = {"Conv1D": "Conv1D", "": ""}.get(kind, "Linear") if leaf == "weight" else ""
+        groups[(categorize(pname), module_path(owner), tuple(p.shape), weight_of, p.requires_grad)] += 1
     return tuple(
-        ParamGroup(category=c, shape=s, count=n, trainable=t)  # type: ignore[arg-type]
-        for (c, s, t), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+        ParamGroup(category=c, shape=s, count=n, trainable=t, module=m, weight_of=lin)  # type: ignore[arg-type]
+        for (c, m, s, lin, t), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))
     )
+
+
+def _unquantised(model) -> tuple[str, ...]:
+    """transformers' own list of the modules its bitsandbytes loading keeps in float, as module paths."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    return tuple(sorted(module_path(k) for k in get_keys_to_not_convert(model)))
+
+
+def module_path(name: str) -> str:
+    """A module's dotted name with its indices as "*": one path for the same module of every block."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
 def _architecture(cfg: Any, head: str) -> dict[str, Any]:

@@ -16,14 +16,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Category = Literal["embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other"]
-CATEGORIES: tuple[str, ...] = ("embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other")
+# adapter: LoRA's A and B matrices, which the fine-tuning table (estimator/finetune.py) adds
+Category = Literal["embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other", "adapter"]
+CATEGORIES: tuple[str, ...] = ("embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other",
+                               "adapter")
+# How a tensor is stored on the GPU. "model": in the width the training precision gives parameters
+# (rules.Precision.param), as in full fine-tuning; the rest are set by the fine-tuning table
+# (estimator/finetune.py): a frozen base in its load dtype, fp32 adapters, bitsandbytes' 4-bit (nf4 or fp4,
+# with or without double quantisation) and 8-bit formats.
+Store = Literal["model", "fp32", "half", "4bit", "4bit-dq", "int8"]
 
 Arch = Literal["encoder", "decoder", "encoder-decoder", "vision"]
 
 
 class ParamGroup(BaseModel):
-    """`count` parameter tensors of one shape and category."""
+    """`count` parameter tensors of one shape and category, owned by modules of one path."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -31,6 +38,13 @@ class ParamGroup(BaseModel):
     shape: tuple[int, ...]
     count: int = 1
     trainable: bool = True
+    # The owning module's dotted path with every index as "*" ("model.layers.*.self_attn.q_proj"): what
+    # PEFT's target_modules and modules_to_save match, and where a block's parameters are ("*").
+    module: str = ""
+    # The weight of an nn.Linear (shape out x in) or of transformers' Conv1D (in x out), else "": what LoRA
+    # adapts and bitsandbytes quantises.
+    weight_of: Literal["", "Linear", "Conv1D"] = ""
+    store: Store = "model"
 
     # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
     # frozen model; it is not a field)
@@ -79,6 +93,9 @@ class ModelSpec(BaseModel):
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
+    # Modules transformers leaves unquantised when it loads the model in 4 or 8 bit (the output embedding,
+    # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert)
+    unquantised: tuple[str, ...] = ()
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).

@@ -64,6 +64,39 @@ class Workload(BaseModel):
     # in backward, so a layer keeps only the MLP's input (docs/kernels.md)
     tiled_mlp: bool = False
     net_gbs: Annotated[float, Finite] | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
+    # -- fine-tuning method (docs/finetune.md) ---------------------------------------------------------
+    # full: every parameter trained. lora: the base frozen in its load dtype, PEFT LoRA adapters trained.
+    # qlora: the base's linear layers quantised by bitsandbytes (`quant`), LoRA adapters trained.
+    # freeze: the model as in full fine-tuning, only the last `trainable_layers` blocks and the head trained.
+    method: Literal["full", "lora", "qlora", "freeze"] = "full"
+    # peft.LoraConfig's names and defaults (peft 0.21, tuners/lora/config.py): r=8, lora_alpha=8, lora_dropout=0
+    lora_r: Annotated[int, bounded("lora_r")] = 8
+    lora_alpha: Annotated[float, Finite] = Field(8.0, gt=0)
+    lora_dropout: Annotated[float, Finite] = Field(0.0, ge=0.0, lt=1.0)
+    # target_modules: module names ("q_proj", "mlp.c_proj") or ("all-linear",); (): PEFT's default for the
+    # model type (estimator/finetune.py)
+    lora_targets: tuple[str, ...] = ()
+    # modules trained in full beside the adapters (PEFT modules_to_save; with freeze: trained as well)
+    modules_to_save: tuple[str, ...] = ()
+    # transformers.BitsAndBytesConfig: nf4 / fp4 (load_in_4bit, bnb_4bit_quant_type) or int8 (load_in_8bit)
+    quant: Literal["nf4", "fp4", "int8"] = "nf4"
+    double_quant: bool = True  # bnb_4bit_use_double_quant (the QLoRA recipe; BitsAndBytesConfig's default is off)
+    # bnb_4bit_compute_dtype; auto: the precision's half type (fp32 under --precision fp32)
+    compute_dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    # bnb_4bit_quant_storage: the dtype the packed 4-bit weights are stored as (the same bytes; FSDP needs
+    # it equal to the float parameters' dtype to flatten them together)
+    quant_storage: Literal["uint8", "fp16", "bf16", "fp32"] = "uint8"
+    trainable_layers: Annotated[int, bounded("trainable_layers")] | None = None  # freeze: the last K blocks
+
+    @field_validator("lora_targets", "modules_to_save", mode="before")
+    @classmethod
+    def _names(cls, v) -> tuple[str, ...]:
+        """A comma-separated string or a list of module names, as a tuple (order kept, blanks refused)."""
+        items = v.split(",") if isinstance(v, str) else list(v)
+        names = tuple(str(x).strip() for x in items)
+        if any(not n for n in names):
+            raise ValueError(f"empty module name in {v!r}")
+        return names
 
     @field_validator("attn", mode="before")
     @classmethod

@@ -1,0 +1,208 @@
+"""The parameter table of a fine-tuning method: which tensors are trained, how each is stored on the GPU,
+and the LoRA adapters PEFT adds (docs/finetune.md). No torch.
+
+Sources (read for each rule): peft 0.21.2 (tuners/lora/model.py, tuners/lora/layer.py, tuners/tuners_utils.py
+`_maybe_include_all_linear_layers`, utils/other.py `prepare_model_for_kbit_training` and
+`ModulesToSaveWrapper`), bitsandbytes 0.50.2 (functional.py `quantize_4bit`, nn/modules.py `Int8Params`),
+transformers 5.23 (integrations/bitsandbytes.py `replace_with_bnb_linear`, quantizers/base.py
+`get_keys_to_not_convert`).
+
+- full: the model's table as it is.
+- freeze: the last K blocks of the stack next to the head, the head (and the final norm) trainable; the
+  rest, embeddings included, frozen unless named in modules_to_save. Stored as in full fine-tuning.
+- lora: every base parameter frozen and stored in the load dtype (the precision's half type, or fp32);
+  for each targeted linear weight (out x in) an A (r x in) and a B (out x r) adapter, up-cast to fp32
+  (LoraConfig.autocast_adapter_dtype=True) and trained.
+- qlora: as lora, and the linear layers transformers converts (`type(module) is nn.Linear` or Conv1D, not
+  in spec.unquantised) stored as bitsandbytes 4-bit (or LLM.int8) weights; prepare_model_for_kbit_training
+  casts every other fp16 / bf16 parameter to fp32.
+- modules_to_save (and, for classification heads, PEFT's own "classifier" / "score"): PEFT's
+  ModulesToSaveWrapper keeps the original module (frozen) and trains a deep copy: both are on the GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan.estimator.families import family
+from memplan.estimator.rules import FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+
+ALL_LINEAR = "all-linear"
+# PEFT's task types add the classification head to modules_to_save (peft/peft_model.py,
+# PeftModelForSequenceClassification / ForTokenClassification: classifier_module_names)
+TASK_MODULES_TO_SAVE = {"sequence-classification": ("classifier", "score"),
+                        "token-classification": ("classifier", "score")}
+# Linears that read an inner tensor of their block (the attention context, the MLP intermediate), not the
+# block's normed input: their LoRA input is not shared with the q / k / v or up projections.
+OUTPUT_PROJECTIONS = frozenset({"o_proj", "out_proj", "o", "out_lin", "c_proj", "dense", "wo", "down_proj", "fc2",
+                                "dense_4h_to_h", "lin2"})
+
+
+class Tuning(NamedTuple):
+    """Every workload field the fine-tuning table reads (a frozen, hashable cache key)."""
+
+    method: str
+    half_load: bool  # lora / qlora: the base is loaded in the precision's half type (else fp32)
+    r: int
+    targets: tuple[str, ...]
+    modules_to_save: tuple[str, ...]
+    quant: str
+    double_quant: bool
+    trainable_layers: int
+
+    @classmethod
+    def of(cls, w) -> "Tuning":
+        return cls(w.method, w.precision != "fp32", w.lora_r, w.lora_targets, w.modules_to_save, w.quant,
+                   w.double_quant, w.trainable_layers or 0)
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+
+FULL = Tuning("full", False, 0, (), (), "nf4", True, 0)
+
+
+def default_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """PEFT's default target_modules for the model type; () where PEFT has none."""
+    return family(spec.model_type).lora_targets
+
+
+def targets_of(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
+    return t.targets or default_targets(spec)
+
+
+def linear_names(spec: ModelSpec) -> list[str]:
+    """The last path component of every linear layer of the model, in table order, once each."""
+    return list(dict.fromkeys(g.module.rsplit(".", 1)[-1] for g in spec.params if g.weight_of))
+
+
+def matches(path: str, names: tuple[str, ...]) -> bool:
+    """PEFT's target_modules test on a module path: the name is the whole path or its dotted suffix
+    (tuners_utils.check_target_module_exists)."""
+    return any(path == n or path.endswith("." + n) for n in names)
+
+
+def under(path: str, names: tuple[str, ...]) -> bool:
+    """PEFT's modules_to_save test: some module on the path (the module itself or an ancestor) ends with
+    one of the names (utils/other.py _set_trainable: key.endswith(target_key))."""
+    parts = path.split(".")
+    return any(".".join(parts[:i]).endswith(n) for i in range(1, len(parts) + 1) for n in names)
+
+
+def is_output_layer(spec: ModelSpec, g: ParamGroup) -> bool:
+    """The LM head that produces the vocabulary logits: all-linear leaves it out (PEFT excludes the
+    model's output embeddings)."""
+    return g.category == "head" and spec.vocab_size in g.shape and spec.head in ("causal-lm", "seq2seq-lm",
+                                                                               "masked-lm")
+
+
+def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
+    """Whether LoRA adapts the linear whose weight is `g`."""
+    if not g.weight_of:
+        return False
+    names = targets_of(spec, t)
+    if names == (ALL_LINEAR,):
+        return not is_output_layer(spec, g) and not (spec.head in TASK_MODULES_TO_SAVE and g.category == "head")
+    return matches(g.module, names)
+
+
+def quantised(spec: ModelSpec, g: ParamGroup) -> bool:
+    """transformers converts nn.Linear and Conv1D layers outside get_keys_to_not_convert's modules."""
+    keep = spec.unquantised
+    return bool(g.weight_of) and not any(g.module == k or g.module.startswith(k + ".") or g.module.endswith(k)
+                                         for k in keep)
+
+
+def in_out(g: ParamGroup) -> tuple[int, int]:
+    """(in_features, out_features) of a linear weight: nn.Linear stores out x in, Conv1D in x out."""
+    return (g.shape[0], g.shape[1]) if g.weight_of == "Conv1D" else (g.shape[1], g.shape[0])
+
+
+def saved_modules(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
+    return t.modules_to_save + (TASK_MODULES_TO_SAVE.get(spec.head, ()) if t.adapters else ())
+
+
+@lru_cache(maxsize=1024)
+def tuned_params(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
+    """The GPU's parameter table under the method: frozen, trained, quantised and added tensors."""
+    if t.method == "full":
+        return spec.params
+    if t.method == "freeze":
+        return _frozen_blocks(spec, t)
+    return _with_adapters(spec, t)
+
+
+def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
+    """freeze: per-block groups split into the last K blocks (trained) and the rest (frozen)."""
+    dec = spec.num_decoder_layers > 0
+    blocks = spec.num_decoder_layers if dec else spec.num_layers
+    out: list[ParamGroup] = []
+    for g in spec.params:
+        in_block = "*" in g.module
+        head_stack = in_block and (not dec or g.module.startswith("decoder."))
+        if head_stack:
+            per = g.count // blocks
+            k = min(t.trainable_layers, blocks) * per
+            out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
+            out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
+            continue
+        train = (not in_block and g.category in ("head", "norms")) or under(g.module, t.modules_to_save)
+        out.append(g.model_copy(update={"trainable": train}))
+    return tuple(out)
+
+
+def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
+    """lora / qlora: the frozen base in its storage, the adapters, the trained copies of modules_to_save."""
+    base_store = "half" if t.half_load else "fp32"
+    float_store = "fp32" if t.method == "qlora" else base_store  # prepare_model_for_kbit_training
+    quant_store = "int8" if t.quant == "int8" else ("4bit-dq" if t.double_quant else "4bit")
+    saved = saved_modules(spec, t)
+    out: list[ParamGroup] = []
+    for g in spec.params:
+        store = quant_store if t.method == "qlora" and quantised(spec, g) else float_store
+        out.append(g.model_copy(update={"trainable": False, "store": store}))
+        if under(g.module, saved):
+            out.append(g.model_copy(update={"trainable": True, "store": float_store,
+                                            "module": g.module + ".modules_to_save"}))
+        if adapted(spec, t, g):
+            n_in, n_out = in_out(g)
+            out += [ParamGroup(category="adapter", shape=(t.r, n_in), count=g.count, module=g.module + ".lora_A",
+                               weight_of="Linear", store="fp32"),
+                    ParamGroup(category="adapter", shape=(n_out, t.r), count=g.count, module=g.module + ".lora_B",
+                               weight_of="Linear", store="fp32")]
+    return tuple(out)
+
+
+def params_trainable(spec: ModelSpec, t: Tuning) -> int:
+    """What PEFT's get_nb_trainable_parameters() reports (its first number)."""
+    return sum(g.total for g in tuned_params(spec, t) if g.trainable)
+
+
+# -- bytes on the GPU ---------------------------------------------------------------------------------
+def stored_tensors(g: ParamGroup, model_bytes: float) -> list[tuple[float, int]]:
+    """(bytes, count) of the tensors one group occupies on the GPU. model_bytes: the training precision's
+    parameter width (store "model").
+    - nf4 / fp4 (bitsandbytes functional.quantize_4bit, blocksize 64): the packed weight, 2 values per
+      byte whatever quant_storage's dtype; the 16-entry fp32 code (get_4bit_type makes one per weight);
+      absmax fp32 per block of 64, or with double quantisation (compress_statistics) uint8 per block plus
+      its own fp32 absmax per block of 256 and an fp32 offset.
+    - int8 (Int8Params, int8_vectorwise_quant): the int8 weight and one fp32 scale (SCB) per output row."""
+    n, c = g.numel, g.count
+    if g.store in ("4bit", "4bit-dq"):
+        blocks = -(-n // NF4_BLOCK)
+        packed = [(-(-n // 2), c), (NF4_CODE_BYTES, c)]
+        if g.store == "4bit":
+            return packed + [(FP32 * blocks, c)]
+        return packed + [(blocks, c), (FP32 * -(-blocks // NF4_NESTED_BLOCK), c), (FP32, c)]
+    if g.store == "int8":
+        rows = g.shape[0] if g.weight_of != "Conv1D" else g.shape[1]
+        return [(n, c), (INT8_SCALE_BYTES * rows, c)]
+    return [(n * element_bytes(g, model_bytes), c)]
+
+
+def element_bytes(g: ParamGroup, model_bytes: float) -> float:
+    """Bytes per element of a float parameter (and of its gradient and Adam moments)."""
+    return {"fp32": FP32, "half": HALF}.get(g.store, model_bytes)
