@@ -12,6 +12,7 @@ import click
 from memplan import __version__
 from memplan.errors import UserError
 from memplan.inputs import defaults
+from memplan.inputs.workload import METHOD_KNOBS
 
 MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
 GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
@@ -65,6 +66,39 @@ def common_options(f, required: bool = True):
     ]):
         f = opt(f)
     return f
+
+
+def method_options(search: bool):
+    """The fine-tuning method's options (docs/finetune.md), passed on as one `tuning` dict of the
+    Workload fields the user set."""
+    many = ", a comma list, or 'any' (full, lora, qlora) [default: full; suggest says what LoRA / QLoRA allow]"
+    opts = [
+        click.option("--method", help="full, lora, qlora, freeze" + (many if search else " [default: full]")),
+        click.option("--lora-r", type=int, help="LoRA rank (peft.LoraConfig r) [default: 8]"),
+        click.option("--lora-alpha", type=float, help="LoRA alpha [default: 8]"),
+        click.option("--lora-dropout", type=float, help="LoRA dropout [default: 0]"),
+        click.option("--lora-targets", help="comma-separated module names (e.g. q_proj,v_proj) or all-linear "
+                     "[default: PEFT's default for the model type]"),
+        click.option("--modules-to-save", help="modules trained in full beside the adapters (e.g. lm_head); "
+                     "with freeze, trained too"),
+        click.option("--quant", type=click.Choice(["nf4", "fp4", "int8"]), help="qlora's base format [default: nf4]"),
+        click.option("--double-quant/--no-double-quant", default=None, help="bnb_4bit_use_double_quant [default: on]"),
+        click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
+                     help="bnb_4bit_compute_dtype [default: auto, the precision's half type]"),
+        click.option("--quant-storage", type=click.Choice(["uint8", "fp16", "bf16", "fp32"]),
+                     help="bnb_4bit_quant_storage [default: uint8]"),
+        click.option("--trainable-layers", type=int, help="freeze: train the last K blocks and the head"),
+    ]
+
+    def deco(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            given = {k: kwargs.pop(k) for k in ("method",) + METHOD_KNOBS}
+            return f(*args, tuning={k: v for k, v in given.items() if v is not None}, **kwargs)
+        for opt in reversed(opts):
+            wrapper = opt(wrapper)
+        return wrapper
+    return deco
 
 
 def _parallel_options(search: bool):
@@ -141,10 +175,11 @@ def cli() -> None:
 @click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
 @click.option("--beams", type=int, default=1, show_default=True)
 @_parallel_options(search=False)
+@method_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
              kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes,
              zero, fsdp,
-             offload, tp, pp, sp, vpp, cpu_mem) -> None:
+             offload, tp, pp, sp, vpp, cpu_mem, tuning) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
     from memplan import api
 
@@ -153,7 +188,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
                        precision=precision, optim=optim, momentum=_momentum(optim_args), grad_ckpt=grad_ckpt,
                        attn=attn, max_new_tokens=max_new_tokens, beams=beams, zero_grad=zero_grad,
                        headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
-                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp))
+                       **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp), **tuning)
     if as_json:
         _emit_json(est)
     else:
@@ -176,9 +211,10 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
               "accelerate_config.yaml, plan.json (with the launch section), train.py and launch.sh")
 @click.option("-o", "--out", "out_dir", help="directory for --emit [default: .]; '-' prints")
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
+@method_options(search=True)
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
             kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
-            vpp, cpu_mem, net_gbs, emit, out_dir, force) -> None:
+            vpp, cpu_mem, net_gbs, emit, out_dir, force, tuning) -> None:
     """Search the layout over the GPUs (TP, PP, DP, ZeRO / FSDP, offload), micro batch, accumulation,
     checkpointing and attention (precision and optimizer when you list them or say 'any'); rank what fits."""
     from memplan import api
@@ -201,7 +237,8 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
-                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp)
+                    vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp,
+                    **tuning)
     if as_json:
         _emit_json(s)
     else:
@@ -231,9 +268,10 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
               "auto: cuda when there is a GPU, else fake")
 @click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps, at least 2: the "
               "estimate is the steady state, which the second step reaches (the first creates the optimizer state)")
+@method_options(search=False)
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
            tiled_mlp, as_json,
-           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps) -> None:
+           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps, tuning) -> None:
     """Run the planned training step (random weights, synthetic batches) and compare with the estimate.
 
     Exit codes: 0 ran (see the verdicts), 2 bad input, 3 the real run ran out of GPU memory."""
@@ -241,7 +279,7 @@ def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, 
 
     given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
                  precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
-                 tiled_mlp=tiled_mlp)
+                 tiled_mlp=tiled_mlp, **tuning)
     if optim_args:
         given["momentum"] = _momentum(optim_args)
     report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,

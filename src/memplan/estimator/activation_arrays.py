@@ -18,7 +18,8 @@ import numpy as np
 
 from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
 from memplan.estimator.rules import PRECISIONS
-from memplan.estimator.states import CACHE_SIZE, train_precision
+from memplan.estimator.finetune import LoraActs, Tuning, compute_bytes, lora_acts, trains_embeddings
+from memplan.estimator.states import CACHE_SIZE, activation_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
@@ -40,11 +41,15 @@ class ActsKey(NamedTuple):
     grad_ckpt: str
     kernels: bool
     tiled_mlp: bool
+    lora: LoraActs | None = None  # the frozen base's adapters (estimator/finetune.py)
+    embed_grad: bool = True  # the embeddings' output requires a gradient
     mb: int = 0
 
     @classmethod
     def of(cls, spec: ModelSpec, w: Workload) -> "ActsKey":
-        return cls(spec, w.seq_len, train_precision(w).name, w.attn == "eager", w.grad_ckpt, w.kernels, w.tiled_mlp)
+        t = Tuning.of(w)
+        return cls(spec, w.seq_len, activation_precision(w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
+                   w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w)), trains_embeddings(spec, t))
 
     @property
     def affine(self) -> bool:
@@ -54,7 +59,7 @@ class ActsKey(NamedTuple):
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,
-                                    tiled_mlp=self.tiled_mlp)
+                                    tiled_mlp=self.tiled_mlp, lora=self.lora, embed_grad=self.embed_grad)
 
 
 class Units(NamedTuple):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from memplan.estimator.families import GATED_ACT_KERNEL, family
+from memplan.estimator.finetune import AdapterInput, LoraActs
 from memplan.inputs.modelspec import ModelSpec
 from memplan.estimator.rules import (
     FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
@@ -32,6 +33,11 @@ class TensorKind(Enum):
     OTHER = "other"
     CORE = "core"  # the attention core (QK^T, softmax, dropout, PV): selective recomputation rebuilds it
     LOG_SOFTMAX = "log_softmax"  # the loss's saved log_softmax output, freed during the last layer's backward
+    # saved only for a weight's gradient (a linear's input, RMSNorm's normalised input to its weight
+    # multiply): autograd does not save it when that weight is frozen (a derivative formula's inputs are
+    # saved only for the outputs that need a gradient: torch/csrc/autograd, should_compute_output)
+    WEIGHT_INPUT = "weight_input"
+    NORM_INPUT = "norm_input"  # the same for a norm's weight (RMSNorm's normalised tensor)
 
 
 @dataclass(frozen=True)
@@ -76,16 +82,17 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     h, r = spec.hidden_size, prec.residual
     if spec.norm == "layernorm":
         return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
-    return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True), Tensors("rmsnorm normalised", r * h * T, rep=True),
+    return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True),
+            Tensors("rmsnorm normalised", r * h * T, rep=True, kind=TensorKind.NORM_INPUT),
             Tensors("rmsnorm rstd", FP32 * T, rep=True)]
 
 
 def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
     """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
     the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
-    if prec.autocast:
-        return [Tensors(f"{name} (half cast)", HALF * width * T, n_linears, rep=True)]
-    return [Tensors(name, prec.residual * width * T, rep=True)]
+    if prec.autocast and prec.residual != HALF:
+        return [Tensors(f"{name} (half cast)", HALF * width * T, n_linears, rep=True, kind=TensorKind.WEIGHT_INPUT)]
+    return [Tensors(name, prec.residual * width * T, rep=True, kind=TensorKind.WEIGHT_INPUT)]
 
 
 def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
@@ -94,7 +101,8 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     Tensors of kind CORE belong to the attention core (QK^T, softmax, dropout, PV), which selective
     recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
     q, k, v (k, v at kv heads) and its output stay."""
-    a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, prec.act
+    # under autocast attention runs on half casts whatever width the projections return
+    a, k, d, p = spec.num_heads, spec.num_kv_heads, spec.head_dim, HALF if prec.autocast else prec.act
     Tq, Tkv = b * s_q, b * s_kv
     out: list[Tensors] = [Tensors("q", p * a * d * Tq)]
     if attn == "eager" and a != k:
@@ -131,7 +139,9 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
             # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
             out.append(Tensors("position bias (half cast)", HALF * a * s_q * s_kv))
-    out.append(Tensors("context (o_proj input)", p * a * d * Tq))
+    # SDPA's kernels save their output, which is the o_proj input; eager's PV matmul does not save its output
+    out.append(Tensors("context (o_proj input)", p * a * d * Tq,
+                       kind=TensorKind.WEIGHT_INPUT if attn == "eager" else TensorKind.OTHER))
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", MASK * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
@@ -162,7 +172,7 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
     out: list[Tensors] = []
     if spec.mlp == "gated":
         out += saves + [Tensors("act output, up output", p * f * tokens, 2),
-                Tensors("gate*up (down input)", p * f * tokens)]
+                        Tensors("gate*up (down input)", p * f * tokens, kind=TensorKind.WEIGHT_INPUT)]
     else:
         inner_dropout = family(spec.model_type).mlp_inner_dropout and spec.hidden_dropout > 0
         if spec.activation == "relu" and not inner_dropout:
@@ -170,7 +180,10 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
         out += saves
         if inner_dropout:
             out.append(Tensors("mlp dropout mask", MASK * f * tokens))
-        out.append(Tensors("act output (down input)", p * f * tokens))
+        # relu (without a dropout after it) saves its output, which is also the down projection's input
+        relu_saves = spec.activation == "relu" and not inner_dropout
+        out.append(Tensors("act output (down input)", p * f * tokens,
+                           kind=TensorKind.OTHER if relu_saves else TensorKind.WEIGHT_INPUT))
     if spec.hidden_dropout > 0:
         out.append(Tensors("mlp dropout mask", MASK * h * tokens, rep=True))
     return out
@@ -348,6 +361,44 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
     return saved, fwd, bwd
 
 
+def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora: LoraActs) -> list[Tensors]:
+    """What PEFT's LoRA layers save, for the adapted linears of one block (peft 0.21 tuners/lora/layer.py
+    Linear.forward: x = x.to(lora_A.weight.dtype); result + lora_B(lora_A(dropout(x))) * scaling; the
+    bitsandbytes layers in tuners/lora/bnb.py cast only without autocast). Adapters are fp32.
+    - Under autocast, lora_A's matmul casts its input to half: one copy per adapted linear, saved.
+    - Without autocast, a half input is cast to fp32 per adapted linear (saved by lora_A); an fp32
+      input is saved once for the linears that read it, unless dropout makes one output per linear.
+    - Dropout (p > 0) saves its mask (native_dropout) per adapted linear.
+    - lora_B saves lora_A's output, the rank-r intermediate (half under autocast, else fp32)."""
+    out: list[Tensors] = []
+    r_bytes = HALF if prec.autocast else FP32
+    for a in adapters:
+        x_bytes = prec.act if a.inner else prec.residual
+        n, x = a.count, a.width * T
+        if prec.autocast:
+            out.append(Tensors("lora: A input (autocast half copy)", HALF * x, n))
+        elif lora.dropout:
+            out.append(Tensors("lora: A input (dropout output, fp32)", FP32 * x, n))
+        elif x_bytes != FP32:
+            out.append(Tensors("lora: A input (fp32 cast)", FP32 * x, n))
+        else:
+            out.append(Tensors("lora: A input (the linear's input)", FP32 * x))
+        if lora.dropout:
+            out.append(Tensors("lora: dropout mask", MASK * x, n))
+        out.append(Tensors("lora: rank-r intermediate (B input)", r_bytes * lora.r * T, n))
+    return out
+
+
+def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:
+    """A frozen base keeps none of the tensors saved only for its weights' gradients, except that
+    bitsandbytes' LLM.int8 matmul keeps its input whatever the weight (ctx.A in autograd/_functions.py
+    MatMul8bitFp; MatMul8bitLt keeps the int8 input and the outlier columns)."""
+    if lora is None:
+        return ts
+    dropped = (TensorKind.NORM_INPUT,) if lora.int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
+    return [t for t in ts if t.kind not in dropped]
+
+
 def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
     """One tensor-parallel rank's share: heads, the MLP intermediate and the vocabulary are split t
     ways (Megatron column / row parallel linears, vocab-parallel cross-entropy); the residual side is
@@ -360,27 +411,36 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
 
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
-                         sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False) -> ActivationModel:
+                         sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False,
+                         lora: LoraActs | None = None, embed_grad: bool = True) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
     tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
-    and MLP."""
+    and MLP. lora: the base is frozen and these adapters are trained (estimator/finetune.py);
+    embed_grad: the embeddings' output requires a gradient (else their list is empty)."""
     if spec.arch == "vision":
         s = spec.seq_positions
+    T = b * s
     # the attention core is rebuilt in backward only under selective recomputation
     core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
-    layer = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
-    dec = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) if spec.num_decoder_layers else []
+    layer = _tuned(_layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp), lora)
+    dec = _tuned(_layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective), lora) \
+        if spec.num_decoder_layers else []
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
-    T = b * s
+    saved_head = _tuned(saved_head, lora)
+    if lora is not None:
+        layer += lora_terms(lora.layer, T, prec, lora)
+        dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
+        saved_head += lora_terms(lora.head, T, prec, lora)
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
-        embed=shard(_embeddings(spec, b, s, prec), tp, sp),
+        embed=shard(_embeddings(spec, b, s, prec), tp, sp) if embed_grad else [],
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
-        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp), tp, sp),
+        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp) + (
+            [Tensors("4-bit weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []), tp, sp),
         layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),

@@ -8,13 +8,17 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from memplan.estimator.finetune import Tuning, tuned_params
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 
-BREAKDOWN_KEYS = ("weights", "autocast_cache", "gradients", "optimizer_states", "optimizer_temporaries",
-                  "comm_buffers", "gathered_params", "activations", "transient", "kv_cache", "workspace",
-                  "allocator_overhead", "cuda_context")
+# weights: the base model (without its quantisation constants); adapter_weights: LoRA adapters and the
+# trained copies of modules_to_save; quant_constants: bitsandbytes' absmax / code / scales;
+# paged_optimizer_states: CUDA managed memory, outside allocated and reserved (like cuda_context)
+BREAKDOWN_KEYS = ("weights", "adapter_weights", "quant_constants", "autocast_cache", "gradients", "optimizer_states",
+                  "paged_optimizer_states", "optimizer_temporaries", "comm_buffers", "gathered_params", "activations",
+                  "transient", "kv_cache", "workspace", "allocator_overhead", "cuda_context")
 
 
 class ModelInfo(BaseModel):
@@ -77,9 +81,14 @@ class Peak(NamedTuple):
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
     usable = int(gpu.memory_bytes * (1 - w.headroom))
+    table = tuned_params(spec, Tuning.of(w)) if w.task == "train" else spec.params
+    by_category: dict[str, int] = {}
+    for g in table:
+        by_category[g.category] = by_category.get(g.category, 0) + g.total
     info = ModelInfo(name=spec.name, hf_id=spec.hf_id, model_type=spec.model_type, head=spec.head,
-                     params_total=spec.params_total, params_trainable=spec.params_trainable,
-                     params_by_category=spec.params_by_category())
+                     params_total=sum(g.total for g in table),
+                     params_trainable=sum(g.total for g in table if g.trainable) if w.task == "train"
+                     else spec.params_trainable, params_by_category=by_category)
     breakdown = {k: int(p.parts.get(k, 0)) for k in BREAKDOWN_KEYS}
     return MemoryBreakdown(
         model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=p.peak_phase,

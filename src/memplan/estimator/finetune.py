@@ -204,5 +204,65 @@ def stored_tensors(g: ParamGroup, model_bytes: float) -> list[tuple[float, int]]
 
 
 def element_bytes(g: ParamGroup, model_bytes: float) -> float:
-    """Bytes per element of a float parameter (and of its gradient and Adam moments)."""
-    return {"fp32": FP32, "half": HALF}.get(g.store, model_bytes)
+    """Bytes per element of a float parameter (and of its gradient and Adam moments); 0 for a quantised one."""
+    return {"fp32": FP32, "half": HALF, "model": model_bytes}.get(g.store, 0)
+
+
+# -- what the adapters add to a block's activations (estimator/activations.py lora_terms) -------------------
+class AdapterInput(NamedTuple):
+    """The adapted linears of one block that read one tensor."""
+
+    width: int  # in_features
+    inner: bool  # reads an inner tensor (context, MLP intermediate: matmul width), else the block's normed input
+    count: int  # adapted linears per block reading it
+
+
+class LoraActs(NamedTuple):
+    """The adapters of the method, per block, as the activation model needs them (hashable: ActsKey)."""
+
+    r: int
+    dropout: bool
+    layer: tuple[AdapterInput, ...]  # an encoder or decoder-only block
+    decoder_layer: tuple[AdapterInput, ...]  # a decoder block of an encoder-decoder
+    head: tuple[AdapterInput, ...]  # adapted linears outside the blocks (a pooler, a classifier)
+    # qlora: bytes of the largest quantised weight dequantised to the compute dtype, which bitsandbytes'
+    # matmul materialises in forward and again in backward (autograd/_functions.py MatMul4Bit: linear(A,
+    # dequantize_4bit(B).to(A.dtype).t())); 0 for lora
+    dequant: int = 0
+    int8: bool = False  # LLM.int8 keeps each quantised linear's input
+
+
+def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = HALF) -> LoraActs | None:
+    """The adapted linears grouped by block and by the tensor they read (same parent module, same width)."""
+    if not t.adapters:
+        return None
+    stacks: dict[str, dict[tuple[str, int, bool], int]] = {"layer": {}, "decoder_layer": {}, "head": {}}
+    for g in spec.params:
+        if not adapted(spec, t, g):
+            continue
+        parent, leaf = g.module.rpartition(".")[::2]
+        n_in, _ = in_out(g)
+        key = (parent, n_in, leaf in OUTPUT_PROJECTIONS)
+        if "*" not in g.module:
+            stack, per = "head", g.count
+        elif spec.num_decoder_layers and g.module.startswith("decoder."):
+            stack, per = "decoder_layer", g.count // spec.num_decoder_layers
+        else:
+            stack, per = "layer", g.count // spec.num_layers
+        stacks[stack][key] = stacks[stack].get(key, 0) + per
+    pack = lambda d: tuple(AdapterInput(w, inner, n) for (_, w, inner), n in sorted(d.items()))  # noqa: E731
+    dequant = max((g.numel for g in spec.params if quantised(spec, g)), default=0) if t.method == "qlora" else 0
+    return LoraActs(t.r, dropout > 0, pack(stacks["layer"]), pack(stacks["decoder_layer"]), pack(stacks["head"]),
+                    dequant * compute_bytes, t.method == "qlora" and t.quant == "int8")
+
+
+def compute_bytes(w) -> int:
+    """Width of bnb_4bit_compute_dtype ("auto": the precision's half type, fp32 under fp32)."""
+    dtype = w.compute_dtype if w.compute_dtype != "auto" else ("fp32" if w.precision == "fp32" else "half")
+    return FP32 if dtype == "fp32" else HALF
+
+
+def trains_embeddings(spec: ModelSpec, t: Tuning) -> bool:
+    """Whether a tensor the embeddings make requires a gradient (a trained embedding, or full fine-tuning):
+    otherwise autograd records nothing before the first trained block or adapter."""
+    return t.method == "full" or any(g.trainable and g.category == "embeddings" for g in tuned_params(spec, t))

@@ -52,6 +52,15 @@ PRECISIONS: dict[str, Precision] = {
         Precision("bf16", 4, 4, 2, 4, True, "bf16", "HF Trainer bf16=True: torch.autocast(bfloat16), fp32 model"),
         Precision("bf16-pure", 2, 2, 2, 2, False, "bf16", "model.to(torch.bfloat16): weights, grads, states in bf16"),
         Precision("fp16-pure", 2, 2, 2, 2, False, "fp16", "model.half(): inference only (fp16 training diverges)"),
+        # LoRA over a base loaded in the half type with the Trainer's autocast on (estimator/states.py
+        # activation_precision): the residual stream is half, and autocast passes half inputs as they are
+        Precision("bf16-halfbase", 2, 2, 2, 2, True, "bf16", "LoRA: torch_dtype=bfloat16 base, Trainer bf16=True"),
+        Precision("fp16-halfbase", 2, 2, 2, 2, True, "fp16", "LoRA: torch_dtype=float16 base, Trainer fp16=True"),
+        # QLoRA under autocast: bitsandbytes' 4-bit layers cast their output back to the fp32 input's dtype
+        # (bitsandbytes nn/modules.py Linear4bit.forward: out.to(inp_dtype)), so the linears' outputs are
+        # fp32; attention still runs on autocast's half casts (activations._attention)
+        Precision("bf16-qlora", 4, 4, 4, 4, True, "bf16", "QLoRA: fp32 norms and embeddings, Trainer bf16=True"),
+        Precision("fp16-qlora", 4, 4, 4, 4, True, "fp16", "QLoRA: fp32 norms and embeddings, Trainer fp16=True"),
     )
 }
 TRAIN_PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
@@ -148,6 +157,10 @@ OPTIMIZERS: dict[str, OptimRule] = {
         OptimRule("paged_lion_8bit", 1, quantized=True, paged=True, source="bitsandbytes PagedLion8bit"),
     )
 }
+# bitsandbytes' paged optimizers put a parameter's states in CUDA managed memory (functional.get_paged:
+# cudaMallocManaged, outside torch's caching allocator) only from 1e5 elements on; smaller ones get
+# torch.zeros_like (bitsandbytes 0.50 optim/optimizer.py, Optimizer8bit.get_state_buffer).
+PAGED_MIN_NUMEL = 100_000
 # The Trainer default with torch >= 2.8 is adamw_torch_fused (transformers 5.23,
 # transformers/training_args.py: default_optim).
 OPTIM_ALIASES = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused", "adamw_fused": "adamw_torch_fused"}

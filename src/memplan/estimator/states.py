@@ -15,12 +15,16 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.finetune import FULL, Tuning, element_bytes, stored_tensors, tuned_params
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
-from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
+from memplan.estimator.rules import (
+    FP32, HALF, OPTIMIZERS, PAGED_MIN_NUMEL, PRECISIONS, Precision, optimizer_state_bytes,
+)
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
-LINEAR_CATEGORIES = ("attention", "mlp", "experts", "router", "head")
+# the parameters autocast casts to half for a matmul (an fp32 one: a half or quantised weight is used as is)
+LINEAR_CATEGORIES = ("attention", "mlp", "experts", "router", "head", "adapter")
 CACHE_SIZE = 4096  # distinct stage settings kept: a 405B search on 1,024 GPUs visits about 1,500
 
 
@@ -32,10 +36,26 @@ def half_model(w: "Workload | StatesKey") -> bool:
 
 
 def train_precision(w: "Workload | StatesKey") -> Precision:
-    """The precision the activations see: a half model has no autocast (its activations are pure half)."""
+    """The precision the parameters and activations see: a half model has no autocast (its activations are
+    pure half)."""
     prec = PRECISIONS[w.precision]
     if half_model(w) and prec.autocast:
         prec = PRECISIONS[f"{prec.half}-pure"]
+    return prec
+
+
+def activation_precision(w: Workload) -> Precision:
+    """The widths the activations have under the fine-tuning method (docs/finetune.md):
+    - lora: the base is loaded in the half type, so the residual stream is half; under autocast the
+      half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS);
+    - qlora: prepare_model_for_kbit_training leaves norms and embeddings in fp32, so the residual stream is
+      fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
+      layers cast their output back to the fp32 input's dtype, so everything is fp32."""
+    prec = train_precision(w)
+    if w.method == "lora" and prec.half:
+        return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast else prec
+    if w.method == "qlora":
+        return PRECISIONS[f"{prec.half}-qlora"] if prec.autocast else PRECISIONS["fp32"]
     return prec
 
 
@@ -65,11 +85,12 @@ class StatesKey(NamedTuple):
     optim: str
     momentum: bool
     accumulating: bool  # offload's host accumulation buffer (ZeRO-1/2 with gradient accumulation)
+    tuning: Tuning = FULL  # the fine-tuning method and its knobs
 
     @classmethod
     def of(cls, spec: ModelSpec, w: Workload, stage: int) -> "StatesKey":
         return cls(spec, stage, w.tp, w.pp, w.dp, w.gpus, w.zero, w.offload, w.fsdp, w.precision, w.optim,
-                   w.momentum > 0, False)
+                   w.momentum > 0, False, Tuning.of(w))
 
     def accumulated(self) -> "StatesKey":
         """The key of the same stage under gradient accumulation: it changes the states only through
@@ -80,9 +101,12 @@ class StatesKey(NamedTuple):
 class StageStates(NamedTuple):
     """One stage's GPU, independent of the micro batch; all numbers, so the step stacks them as one array."""
 
-    weights: int
+    weights: int  # every parameter: base weights, quantisation constants, adapters
+    adapters: int  # LoRA adapters (and modules_to_save copies): part of weights
+    quant_constants: int  # bitsandbytes' absmax, code, scales: part of weights
     grads: int
-    states: int
+    states: int  # optimizer states the caching allocator holds
+    managed: int  # paged optimizers' states: CUDA managed memory, outside the allocator (device used only)
     temp: int
     comm: int
     gathered: int
@@ -97,41 +121,89 @@ class StageStates(NamedTuple):
     n_params: int
     n_enc: int  # layers on this stage
     n_dec: int
+    grad_enc: int  # ... of which autograd keeps activations for (freeze: the trained blocks)
+    grad_dec: int
 
 
 @lru_cache(maxsize=CACHE_SIZE)
-def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[ParamGroup, ...]:
-    """One stage's parameter groups, shared by every ZeRO / precision / optimizer setting of a layout."""
+def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int, tuning: Tuning = FULL) -> tuple[ParamGroup, ...]:
+    """One stage's parameter groups, shared by every ZeRO / precision / optimizer setting of a layout (a
+    fine-tuning method runs on one replica of the whole model: constraints.py)."""
+    if tuning.method != "full":
+        return tuned_params(spec, tuning)
     return tuple(stage_params(spec, tp, pp, stage))
 
 
 @lru_cache(maxsize=CACHE_SIZE)
 def stage_states(k: StatesKey) -> StageStates:
-    spec, prec, rule = k.spec, train_precision(k), OPTIMIZERS[k.optim]
-    groups = layout_params(spec, k.tp, k.pp, k.stage)
-    last = k.stage == k.pp - 1
-    tied = -(-spec.vocab_size // k.tp) * spec.hidden_size if (tied_head(spec) and last and k.pp == 1) else 0
+    spec, prec = k.spec, train_precision(k)
+    groups = layout_params(spec, k.tp, k.pp, k.stage, k.tuning)
+    enc, dec = stage_layers(spec, k.pp, k.stage)
     if half_model(k):
         z = _sharded(k, groups)
+        tied = _tied(spec, k, groups)
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
-        temp, grads_persistent = z.step_transient, z.grads_persistent
+        temp, grads_persistent, adapters, constants, managed = z.step_transient, z.grads_persistent, 0, 0, 0
         persistent = [(weights, 1), (grads, 1), (states, 1), (comm, 1), (gathered, 1), (temp, 1)]
-    else:
-        trainable = tuple(g for g in groups if g.trainable)
-        weights = rounded(groups, lambda g: g.numel * prec.param)
-        grads = rounded(trainable, lambda g: g.numel * prec.grad)
-        states = sum(round_block(optimizer_state_bytes(rule, g.shape, prec.param, k.momentum)) * g.count
-                     for g in trainable)
-        temp = _step_temporaries(groups, trainable, prec, rule)
-        comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
-        gathered = cpu = 0
-        grads_persistent = False
-        persistent = _persistent_tensors(k, groups)
-    c_all, c_head, c_mlp = autocast_copies(groups, tied) if prec.autocast else (0, 0, 0)
-    return StageStates(weights, grads, states, temp, comm, gathered, cpu, grads_persistent, tied,
-                       c_all, c_head, c_mlp, _head_grads(groups, tied, prec.grad), segments_of(persistent),
-                       numel(list(groups)), *stage_layers(spec, k.pp, k.stage))
+        copies = autocast_copies(groups, tied, prec) if prec.autocast else (0, 0, 0)
+        return StageStates(weights, adapters, constants, grads, states, managed, temp, comm, gathered, cpu,
+                           grads_persistent, tied, *copies, _head_grads(groups, tied, prec.grad),
+                           segments_of(persistent), numel(list(groups)), enc, dec, enc, dec)
+    return _replica_states(k, groups, enc, dec)
+
+
+def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec: int) -> StageStates:
+    """One replica's states (a single GPU or DDP): every tensor in its storage, gradients and optimizer
+    states for the trained ones only."""
+    prec, rule = train_precision(k), OPTIMIZERS[k.optim]
+    trainable = tuple(g for g in groups if g.trainable)
+    tied = _tied(spec := k.spec, k, groups)
+    weights = sum(round_block(b) * c for g in groups for b, c in stored_tensors(g, prec.param))
+    adapters = sum(round_block(b) * c for g in groups if g.trainable and k.tuning.adapters
+                   for b, c in stored_tensors(g, prec.param))
+    constants = sum(round_block(b) * c for g in groups for b, c in stored_tensors(g, prec.param)[1:])
+    grads = rounded(trainable, lambda g: g.numel * element_bytes(g, prec.grad))
+    state = [round_block(optimizer_state_bytes(rule, g.shape, element_bytes(g, prec.param), k.momentum)) * g.count
+             for g in trainable]
+    states = sum(state)
+    managed = sum(v for g, v in zip(trainable, state) if paged(rule, g))
+    comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
+    copies = autocast_copies(groups, _tied_copy(spec, k, groups, prec), prec) if prec.autocast else (0, 0, 0)
+    g_enc, g_dec = _grad_layers(spec, k.tuning, enc, dec)
+    return StageStates(weights, adapters, constants, grads, states - managed, managed,
+                       _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
+                       _head_grads(groups, tied, prec.grad), segments_of(_persistent_tensors(k, groups)),
+                       numel(list(groups)), enc, dec, g_enc, g_dec)
+
+
+def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int]:
+    """The layers autograd records: freeze trains the last K blocks of the stack next to the head, and the
+    frozen blocks before them see no tensor that requires a gradient, so they save nothing."""
+    if t.method != "freeze":
+        return enc, dec
+    if spec.num_decoder_layers:
+        return 0, min(t.trainable_layers, dec)
+    return min(t.trainable_layers, enc), dec
+
+
+def _tied_copy(spec: ModelSpec, k: StatesKey, groups, prec: Precision) -> int:
+    """Elements of the tied LM head matrix that autocast casts for the head's matmul (an fp32 one)."""
+    if not (tied_head(spec) and k.stage == k.pp - 1 and k.pp == 1):
+        return 0
+    fp32 = any(g.category == "embeddings" and g.shape[:1] == (spec.vocab_size,)
+               and element_bytes(g, prec.param) == FP32 for g in groups)
+    return -(-spec.vocab_size // k.tp) * spec.hidden_size if fp32 else 0
+
+
+def _tied(spec: ModelSpec, k: StatesKey, groups) -> int:
+    """Elements of the tied LM head matrix on this stage when it is trained (its gradients are summed at
+    the end of backward), else 0."""
+    if not (tied_head(spec) and k.stage == k.pp - 1 and k.pp == 1):
+        return 0
+    trained = any(g.trainable and g.category == "embeddings" and g.shape[:1] == (spec.vocab_size,)
+                  for g in groups) or k.tuning.method == "full"
+    return -(-spec.vocab_size // k.tp) * spec.hidden_size if trained else 0
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -149,13 +221,13 @@ def _sharded(k: StatesKey, groups: tuple[ParamGroup, ...]):
                        accumulating=k.accumulating)
 
 
-def _step_temporaries(groups, trainable, prec: Precision, rule) -> int:
+def _step_temporaries(trainable, prec: Precision, rule) -> int:
     """The optimizer's temporaries during step(): foreach's whole-group temporaries, or the largest
     single tensor's for per-parameter loops (rules.OptimRule)."""
     if rule.per_tensor_temp:
-        return int(rule.per_tensor_temp * round_block(max((g.numel for g in groups), default=0) * FP32))
+        return int(rule.per_tensor_temp * round_block(max((g.numel for g in trainable), default=0) * FP32))
     if rule.foreach_temp:
-        return rounded(trainable, lambda g: g.numel * prec.param * rule.foreach_temp)
+        return rounded(trainable, lambda g: g.numel * element_bytes(g, prec.param) * rule.foreach_temp)
     return 0
 
 
@@ -170,15 +242,21 @@ def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     n_states = max(rule.states + (1 if rule.momentum_arg and k.momentum else 0), 1)
     out: list[tuple[float, int]] = []
     for g in by_shape(groups):
-        out.append((g.numel * prec.param, g.count))
-        if prec.autocast and g.category in LINEAR_CATEGORIES:
+        out += stored_tensors(g, prec.param)
+        if prec.autocast and g.category in LINEAR_CATEGORIES and element_bytes(g, prec.param) == FP32:
             out.append((g.numel * HALF, g.count))  # the half copies autocast re-creates every step
         if g.trainable:
-            out.append((g.numel * prec.grad, g.count * (2 if k.dp > 1 else 1)))  # + DDP's bucket copy
-            st = optimizer_state_bytes(rule, g.shape, prec.param, k.momentum)
-            if st:
+            width = element_bytes(g, prec.param)
+            out.append((g.numel * element_bytes(g, prec.grad), g.count * (2 if k.dp > 1 else 1)))  # + DDP's copy
+            st = optimizer_state_bytes(rule, g.shape, width, k.momentum)
+            if st and not paged(rule, g):
                 out.append((st / n_states, g.count * n_states))
     return out
+
+
+def paged(rule, g: ParamGroup) -> bool:
+    """Whether a paged optimizer keeps this parameter's states in CUDA managed memory (rules.PAGED_MIN_NUMEL)."""
+    return rule.paged and g.numel >= PAGED_MIN_NUMEL
 
 
 def by_shape(groups) -> list[ParamGroup]:
@@ -202,10 +280,13 @@ def tied_grad_sum(spec: ModelSpec, grad_bytes: float, grads_live: bool, tp: int)
     return (3 if grads_live else 2) * round_block(-(-spec.vocab_size // tp) * spec.hidden_size * grad_bytes)
 
 
-def autocast_copies(groups, tied: int, half: int = HALF) -> tuple[int, int, int]:
-    """(all copies, head copies, MLP copies): half copies of the parameters that autocast casts for
-    matmuls. A tied LM head casts the embedding matrix (`tied` elements), so that copy exists too."""
-    lin = tuple(g for g in groups if g.category in LINEAR_CATEGORIES)
+def autocast_copies(groups, tied: int, prec: Precision | None = None, half: int = HALF) -> tuple[int, int, int]:
+    """(all copies, head copies, MLP copies): half copies of the fp32 parameters that autocast casts for
+    matmuls (a half or quantised weight is used as it is). A tied LM head casts the embedding matrix
+    (`tied` elements), so that copy exists too. prec: the training precision (its parameter width for the
+    groups stored as the model is); None: every linear weight is fp32."""
+    width = prec.param if prec else FP32
+    lin = tuple(g for g in groups if g.category in LINEAR_CATEGORIES and element_bytes(g, width) == FP32)
     all_c = rounded(lin, lambda g: g.numel * half)
     head_c = rounded(tuple(g for g in lin if g.category == "head"), lambda g: g.numel * half)
     mlp_c = rounded(tuple(g for g in lin if g.category == "mlp"), lambda g: g.numel * half)

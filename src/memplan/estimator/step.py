@@ -26,7 +26,7 @@ from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import gpu_workspace, meters
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
-from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum, train_precision
+from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum
 from memplan.inputs import constraints
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -46,7 +46,10 @@ class StageCells(NamedTuple):
     phases: np.ndarray
     transient: np.ndarray
     weights: np.ndarray
+    adapters: np.ndarray  # part of weights
+    quant_constants: np.ndarray  # part of weights
     states: np.ndarray
+    managed: np.ndarray  # paged optimizer states: device used only
     comm: np.ndarray
     gathered: np.ndarray
     temp: np.ndarray
@@ -103,14 +106,14 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     B, K = len(bases), len(ms)
     st = _states(spec, bases, stage, ms)
     sa = _activation_sums(sums, stack.rows, stage == 0, stage == bases[0].pp - 1)
-    n_enc, n_dec = int(st["n_enc"][0, 0]), int(st["n_dec"][0, 0])
-    n_layers = n_enc + n_dec
+    n_layers = int(st["n_enc"][0, 0] + st["n_dec"][0, 0])
+    n_enc, n_dec = st["grad_enc"], st["grad_dec"]  # (B, K) the layers autograd records (freeze: fewer)
     flight = in_flight(bases, stage, ms)
     flags = np.array([(w.grad_ckpt == "full", w.grad_ckpt == "selective", w.tiled_mlp, w.zero_grad == "zeros")
                       for w in bases])  # (B, 4)
     full, selective, tiled, zeros = (flags[:, i:i + 1] for i in range(4))
     layer, dec = sa["layer"], sa["decoder_layer"]
-    acts_full = flight * (n_layers * sa["layer_input"] + sa["embed"]) + sa["head_saved"]
+    acts_full = flight * ((n_enc + n_dec) * sa["layer_input"] + sa["embed"]) + sa["head_saved"]
     acts_rest = flight * (n_enc * layer + n_dec * dec + sa["embed"]) + sa["head_saved"]
     acts = np.where(full, acts_full, acts_rest).astype(np.int64)  # int() of a positive float truncates
     # full: one layer's activations rebuilt during its backward; selective: one layer's attention core
@@ -135,10 +138,10 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
         np.where(tied_sum > 0, after_backward + tied_sum, -1),
     ])
     transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, np.zeros((B, K), np.int64), tied_sum])
-    copies = n_layers * np.maximum(1, np.round(flight)).astype(np.int64)
-    return StageCells(phases, transient, st["weights"], st["states"], st["comm"], st["gathered"], st["temp"],
-                      st["grads"], g_live, g_head, c_all, c_bwd, acts, sa["lsm"], st["cpu"], st["n_params"],
-                      st["persistent_segments"], flight, copies, n_layers)
+    copies = (n_enc + n_dec) * np.maximum(1, np.round(flight)).astype(np.int64)
+    return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
+                      st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
+                      acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies, n_layers)
 
 
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:
@@ -163,7 +166,9 @@ def breakdown(c: StageCells, idx: np.ndarray) -> dict[str, np.ndarray]:
     step = idx >= OPTIMIZER_STEP
     bwd_layer = idx == BACKWARD_LAYER
     return {
-        "weights": c.weights, "optimizer_states": c.states, "comm_buffers": c.comm,
+        "weights": c.weights - c.adapters - c.quant_constants, "adapter_weights": c.adapters,
+        "quant_constants": c.quant_constants, "optimizer_states": c.states, "comm_buffers": c.comm,
+        "paged_optimizer_states": c.managed,
         "transient": np.take_along_axis(c.transient, idx[None], 0)[0],
         "gradients": np.where(step, c.grads, c.g_live + np.where(bwd_layer, c.g_head, 0)),
         "optimizer_temporaries": np.where(idx == OPTIMIZER_STEP, c.temp, 0),
@@ -215,7 +220,8 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
     churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0])
     allocated, reserved, used = meters(gpu, np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent),
                                        act_segs, churn)
-    saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states)
+    used = used + chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
+    saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states + c.managed)
     params = chosen(lambda c: c.n_params)
     terms = cost.step_time(spec, gpu, bases, mb, ms, saved, state, params)
     return Table(allocated, reserved, used, chosen(lambda c: c.cpu), params, saved, state, terms.sum(axis=0), terms,
@@ -277,7 +283,8 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
 def _notes(w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
     notes: list[str] = []
     if OPTIMIZERS[w.optim].paged:
-        notes.append(f"{w.optim}: paged optimizer state can spill to CPU memory under pressure; counted on the GPU")
+        notes.append(f"{w.optim}: the optimizer states live in CUDA managed memory (paged): outside torch's "
+                     "allocator, counted in device used; under memory pressure the driver pages them to CPU RAM")
     if w.grad_accum > 1 and not half_model(w):
         notes.append("gradient accumulation keeps the gradients allocated through the next forward")
     if w.pp > 1:
@@ -288,9 +295,11 @@ def _notes(w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
 
 def _per_layer_terms(spec: ModelSpec, w: Workload) -> dict[str, int]:
     """Saved bytes of one layer by term, for the report (one tensor-parallel rank's share)."""
-    am = training_activations(spec, w.micro_batch, w.seq_len, train_precision(w), w.attn,
+    k = A.ActsKey.of(spec, w)
+    am = training_activations(spec, w.micro_batch, w.seq_len, PRECISIONS[k.precision], w.attn,
                               selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
-                              sp=w.sp, fused_loss=w.kernels, tiled_mlp=w.tiled_mlp)
+                              sp=w.sp, fused_loss=w.kernels, tiled_mlp=w.tiled_mlp, lora=k.lora,
+                              embed_grad=k.embed_grad)
     out: dict[str, int] = {}
     for t in am.layer:
         out[t.name] = out.get(t.name, 0) + int(round_block(t.nbytes) * t.count)

@@ -23,6 +23,19 @@ def canonical_optim(name: str) -> str:
     return key
 
 
+def module_names(v) -> tuple[str, ...]:
+    """A comma-separated string or a list of module names, as a tuple (order kept, blanks refused)."""
+    items = v.split(",") if isinstance(v, str) else list(v)
+    names = tuple(str(x).strip() for x in items)
+    if any(not n for n in names):
+        raise ValueError(f"empty module name in {v!r}")
+    return names
+
+
+METHOD_KNOBS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "modules_to_save", "quant", "double_quant",
+                "compute_dtype", "quant_storage", "trainable_layers")
+
+
 class Workload(BaseModel):
     # strict: a string micro batch or a float GPU count is refused, not converted (the API's callers
     # get a UserError naming the field); extra: a misspelled field is refused, not ignored.
@@ -91,12 +104,7 @@ class Workload(BaseModel):
     @field_validator("lora_targets", "modules_to_save", mode="before")
     @classmethod
     def _names(cls, v) -> tuple[str, ...]:
-        """A comma-separated string or a list of module names, as a tuple (order kept, blanks refused)."""
-        items = v.split(",") if isinstance(v, str) else list(v)
-        names = tuple(str(x).strip() for x in items)
-        if any(not n for n in names):
-            raise ValueError(f"empty module name in {v!r}")
-        return names
+        return module_names(v)
 
     @field_validator("attn", mode="before")
     @classmethod

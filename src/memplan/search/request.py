@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from memplan.errors import UserError, validation_line
 from memplan.inputs.constraints import bounded
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
-from memplan.inputs.workload import Workload
+from memplan.inputs.workload import METHOD_KNOBS, Workload, module_names
 
 OBJECTIVES = ("throughput", "min-gpus", "headroom")
 # the request's fields whose CLI option has another name
@@ -52,12 +52,37 @@ class SearchRequest(BaseModel):
     tiled_mlp: bool | None = None
     cpu_mem: Annotated[int | None, bounded("cpu_mem")] = None  # host RAM per node, bytes: offload plans must fit it
     net_gbs: float | None = None
+    # the fine-tuning method: one, a comma list, or 'any' (full, lora, qlora); None: full fine-tuning, and
+    # the plans LoRA and QLoRA would allow are said in the notes. Rank, targets and the quantisation are
+    # the user's (they change the model): the same for every candidate (docs/finetune.md)
+    method: Choice = None
+    lora_r: Annotated[int, bounded("lora_r")] = 8
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = ()
+    quant: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "auto"
+    quant_storage: str = "uint8"
+    trainable_layers: int | None = None
     objective: Literal[OBJECTIVES] = "throughput"  # type: ignore[valid-type]
+
+    @field_validator("lora_targets", "modules_to_save", mode="before")
+    @classmethod
+    def _names(cls, v) -> tuple[str, ...]:
+        return module_names(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> SearchRequest:
         try:  # the fields every candidate shares, validated once here rather than refused per candidate
             Workload(**self.common())
+            named = str(self.method or "full").strip().lower()
+            if "," not in named and named != "any":  # one method: its knobs as the user gave them
+                Workload(**self.common(), method=named, **{k: getattr(self, k) for k in METHOD_KNOBS})
+            elif self.train:
+                for m in ("lora", "qlora") + (("freeze",) if self.trainable_layers is not None else ()):
+                    Workload(**self.common(), **self.tuning(m))
         except ValidationError as e:
             raise ValueError(validation_line(e, options=True, renamed=OPTION_NAMES)) from None
         return self
@@ -78,4 +103,18 @@ class SearchRequest(BaseModel):
         """The Workload fields every candidate shares."""
         return dict(task=self.task, momentum=self.momentum, headroom=self.headroom, zero_grad=self.zero_grad,
                     net_gbs=self.net_gbs)
+
+    def tuning(self, method: str) -> dict[str, Any]:
+        """The Workload's method fields for one method: the user's knobs where the method reads them."""
+        adapters = method in ("lora", "qlora")
+        out: dict[str, Any] = dict(method=method, modules_to_save=self.modules_to_save if method != "full" else ())
+        if adapters:
+            out |= dict(lora_r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                        lora_targets=self.lora_targets)
+        if method == "qlora":
+            out |= dict(quant=self.quant, double_quant=self.double_quant, compute_dtype=self.compute_dtype,
+                        quant_storage=self.quant_storage)
+        if method == "freeze":
+            out["trainable_layers"] = self.trainable_layers
+        return out
 

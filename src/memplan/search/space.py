@@ -4,7 +4,7 @@ layouts over the GPUs, and every candidate of a layout that the constraints tabl
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from memplan.errors import UserError
 from memplan.estimator.rules import OPTIMIZERS
@@ -26,7 +26,9 @@ FSDPS = ("none", "full-shard", "shard-grad-op", "hybrid-shard")
 # suggest's knob options (Workload fields) -> the Space list of their values
 KNOBS = {"precision": "precisions", "optim": "optims", "grad_ckpt": "ckpts", "attn": "attns", "tp": "tps", "pp": "pps",
          "zero": "zeros", "offload": "offloads", "sp": "sps", "vpp": "vpps", "fsdp": "fsdps", "kernels": "kernels",
-         "tiled_mlp": "tiled"}
+         "tiled_mlp": "tiled", "method": "methods"}
+METHODS = ("full", "lora", "qlora", "freeze")
+METHODS_ANY = ("full", "lora", "qlora")  # freeze needs --trainable-layers: searched when named
 
 
 class Space(NamedTuple):
@@ -47,6 +49,7 @@ class Space(NamedTuple):
     fsdps: list[str]
     kernels: list[bool]
     tiled: list[bool]
+    methods: list[str]
 
     @property
     def world(self) -> int:
@@ -149,6 +152,8 @@ def _values(req: SearchRequest) -> Space:
                             "fsdp"),
         kernels=[chosen.KERNELS] if req.kernels is None else [req.kernels],
         tiled=[chosen.TILED_MLP] if req.tiled_mlp is None else [req.tiled_mlp],
+        methods=_parse_choice(req.method, METHODS, list(METHODS_ANY) if train else ["full"], "method")
+        if req.method is not None else ["full"],
     )
 
 
@@ -187,6 +192,13 @@ def shardings(sp: Space, dp: int) -> list[tuple[int, str]]:
     return out
 
 
+def _method_fields(req: SearchRequest) -> list[tuple[str, Any]]:
+    """The Workload's method fields and their values when a method does not read them (its defaults)."""
+    return [(f, Workload.model_fields[f].default) for f in ("method", "modules_to_save", "lora_r", "lora_alpha",
+                                                               "lora_dropout", "lora_targets", "quant", "double_quant",
+                                                               "compute_dtype", "quant_storage", "trainable_layers")]
+
+
 def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Workload]:
     """Every setting of the knobs other than the micro batch that the constraints allow, on one layout
     (micro batch 1, the whole per-rank batch accumulated)."""
@@ -201,7 +213,9 @@ def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Work
     axes = [(("zero", "fsdp"), shardings(sp, dp)), ("offload", sp.offloads), ("sp", where_possible("sp", sp.sps, False)),
             ("vpp", where_possible("vpp", sp.vpps, 1)), ("precision", sp.precisions), ("optim", sp.optims),
             ("grad_ckpt", sp.ckpts), ("attn", sp.attns), ("kernels", where_possible("kernels", sp.kernels, False)),
-            ("tiled_mlp", where_possible("tiled_mlp", sp.tiled, False))]
+            ("tiled_mlp", where_possible("tiled_mlp", sp.tiled, False)),
+            (tuple(f for f, _ in _method_fields(req)),
+             [tuple(req.tuning(m).get(f, default) for f, default in _method_fields(req)) for m in sp.methods])]
     # every entry of the constraints table has passed on each assignment, and the values come from the
     # space's canonical lists: validating each again would repeat the same table (a third of a search)
     template = Workload.model_construct(**fixed)

@@ -22,6 +22,7 @@ import gc
 import time
 from typing import Any, NamedTuple
 
+from memplan.errors import UserError
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -79,9 +80,11 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     notes += plan_notes(req, found, sp, full)
     alternatives, n = alternatives_of(req, sp, found)
     kernel_alt, k = kernels_alternative(req, sp, found)
-    alternatives += kernel_alt
+    method_alt, k2 = method_alternatives(req, sp, found)
+    alternatives += kernel_alt + method_alt
+    k += k2
     if not found:
-        notes.append(nothing_fits(req, sp, s.host_short))
+        notes.append(nothing_fits(req, sp, s.host_short) + "".join(f"; {a.change}: {a.gain}" for a in method_alt))
     whole_front = pareto(found)
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
@@ -215,6 +218,29 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     change = " ".join(opt for opt, on in (("--kernels", c.base.kernels), ("--tiled-mlp", c.base.tiled_mlp)) if on)
     call = f"memplan.kernels.apply(model, loss={c.base.kernels}, mlp={c.base.tiled_mlp}) in the training script"
     return [Alternative(change=change, gain=f"{_gain(c, best)}; needs {call}", plan=plan(req, c))], n
+
+
+def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -> tuple[list[Alternative], int]:
+    """Full fine-tuning is kept unless the user names a method (LoRA changes what is trained); say what
+    LoRA and QLoRA, at the user's rank and targets, would allow: a plan where nothing fits, or a larger
+    micro batch than the best plan's (docs/finetune.md)."""
+    if not req.train or req.method is not None or sp.world > 1:
+        return [], 0
+    best, out, n = (found[0] if found else None), [], 0
+    for method in ("lora", "qlora"):
+        try:
+            cands, m, _ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
+        except UserError:  # the model has no default LoRA targets: the constraint's message is for estimate
+            continue
+        n += m
+        if not cands or (best is not None and max(c.mb for c in cands) <= best.mb):
+            continue
+        c = max(cands, key=lambda c: (c.mb, c.samples_per_s))
+        what = f"LoRA r{req.lora_r}" + (" on 4-bit weights (QLoRA)" if method == "qlora" else "")
+        gain = f"{what} fits with micro batch {c.mb}" + (f" (full fine-tuning: {best.mb})" if best else
+                                                          f"; full fine-tuning does not fit one {req.gpu.name}")
+        out.append(Alternative(change=f"--method {method}", gain=gain, plan=plan(req, c)))
+    return out, n
 
 
 def _gain(c: Candidate, best: Candidate | None) -> str:

@@ -1,0 +1,79 @@
+"""Fine-tuning methods through estimate and suggest (docs/finetune.md); the table against PEFT itself is
+tests/test_finetune.py."""
+
+import pytest
+
+from memplan import api
+from memplan.errors import UserError
+
+GiB = 2**30
+
+
+def test_lora_and_qlora_plans_fit_a_4090_where_full_fine_tuning_does_not():
+    for method in ("lora", "qlora"):
+        s = api.suggest("llama-3.1-8b", "rtx4090", method=method)
+        assert s.plans and all(p.workload.method == method for p in s.plans)
+    full = api.suggest("llama-3.1-8b", "rtx4090")
+    assert not full.plans
+    said = " ".join(full.notes)
+    assert "--method lora" in said and "--method qlora" in said
+
+
+def test_lora_trains_only_the_adapters_and_frees_their_states():
+    full = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16")
+    lora = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16", method="lora",
+                        lora_r=16)
+    assert lora.model.params_trainable == 32 * 16 * (4096 + 4096 + 4096 + 1024)  # r16 on q_proj, v_proj
+    assert lora.breakdown["optimizer_states"] < full.breakdown["optimizer_states"] / 1000
+    assert lora.breakdown["gradients"] < full.breakdown["gradients"] / 1000
+    assert lora.breakdown["weights"] == pytest.approx(full.breakdown["weights"] / 2, rel=0.01)  # bf16 base
+    assert sum(lora.activations_per_layer.values()) < sum(full.activations_per_layer.values())
+
+
+def test_qlora_stores_4bit_weights_with_their_constants():
+    e = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16", method="qlora")
+    quantised = 32 * (4096 * 4096 * 2 + 1024 * 4096 * 2 + 3 * 4096 * 14336)
+    embed_and_head = 2 * 128256 * 4096 * 4  # fp32 after prepare_model_for_kbit_training
+    assert e.breakdown["weights"] == pytest.approx(quantised / 2 + embed_and_head, rel=0.01)
+    assert e.breakdown["quant_constants"] == pytest.approx(quantised * (1 / 64 + 4 / 16384), rel=0.05)
+    nodq = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16", method="qlora",
+                        double_quant=False)
+    assert nodq.breakdown["quant_constants"] == pytest.approx(quantised * 4 / 64, rel=0.05)
+
+
+def test_paged_optimizer_states_count_in_device_used_only():
+    kw = dict(micro_batch=1, seq_len=512, precision="bf16")
+    plain = api.estimate("gpt2-medium", "a100-80g", optim="adamw_8bit", **kw)
+    paged = api.estimate("gpt2-medium", "a100-80g", optim="paged_adamw_8bit", **kw)
+    assert paged.breakdown["paged_optimizer_states"] > 0
+    assert paged.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert paged.breakdown["optimizer_states"] + paged.breakdown["paged_optimizer_states"] == \
+        plain.breakdown["optimizer_states"]
+
+
+def test_freeze_saves_activations_of_the_trained_blocks_only():
+    kw = dict(micro_batch=2, seq_len=512, precision="bf16")
+    two = api.estimate("llama-3.2-1b", "a100-80g", method="freeze", trainable_layers=2, **kw)
+    eight = api.estimate("llama-3.2-1b", "a100-80g", method="freeze", trainable_layers=8, **kw)
+    per_layer = sum(two.activations_per_layer.values())
+    assert eight.breakdown["activations"] - two.breakdown["activations"] == pytest.approx(6 * per_layer, rel=0.01)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(lora_r=16), "apply to --method lora or qlora"),
+    (dict(method="lora", quant="int8"), "apply to --method qlora"),
+    (dict(method="freeze"), "--trainable-layers"),
+    (dict(method="lora", lora_targets="nonexistent"), "matches no linear layer"),
+])
+def test_method_options_are_refused_where_they_do_not_apply(kw, words):
+    with pytest.raises(UserError, match=words):
+        api.estimate("llama-3.2-1b", "a100-80g", **kw)
+
+
+def test_cli_method_options(memplan_cli):
+    out = memplan_cli("estimate", "--model", "qwen2.5-0.5b", "--gpu", "t4-16g", "--method", "qlora", "--precision",
+                      "fp16", "--lora-targets", "all-linear", "--json")
+    assert out.returncode == 0, out.stderr
+    assert '"method": "qlora"' in out.stdout
+    bad = memplan_cli("estimate", "--model", "phi-3-mini", "--gpu", "a100-80g", "--method", "lora")
+    assert bad.returncode == 2 and "no default LoRA target" in bad.stderr
