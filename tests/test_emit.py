@@ -350,3 +350,112 @@ def test_trainer_files_of_a_deepspeed_plan_bring_the_ds_config_they_name():
     p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]
     files = emit.render(p, memplan.resolve_model("llama-3.1-8b"), ("trainer",))
     assert json.loads(files["training_args.json"])["deepspeed"] == "ds_config.json" and "ds_config.json" in files
+
+
+# -- fine-tuning methods (docs/finetune.md): the files train.py reads --------------------------------
+def with_method(plan, **fields):
+    """The plan with its workload's method fields set (the search does not take --method yet)."""
+    from memplan.inputs.workload import Workload
+
+    return plan.model_copy(update={"workload": Workload(**{**plan.workload.model_dump(), **fields})})
+
+
+@pytest.fixture(scope="module")
+def llama_plans():
+    """llama-3.2-1b on one A100 under each precision, one replica, no memplan kernels."""
+    def first(precision):
+        return memplan.suggest("llama-3.2-1b", "a100-80g", precision=precision, zero="0", grad_ckpt="full",
+                               kernels=False, optim="adamw_torch", top=1).plans[0]
+
+    return {p: first(p) for p in ("bf16", "fp16", "fp32", "bf16-pure")}
+
+
+@pytest.mark.parametrize("precision,fields,expected", [
+    ("bf16", {}, dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                      bnb_4bit_compute_dtype="bfloat16", bnb_4bit_quant_storage="uint8")),
+    ("fp16", dict(quant="fp4", double_quant=False, quant_storage="fp16"),
+     dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False,
+          bnb_4bit_compute_dtype="float16", bnb_4bit_quant_storage="float16")),
+    ("fp32", {}, dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                      bnb_4bit_compute_dtype="float32", bnb_4bit_quant_storage="uint8")),
+    ("bf16", dict(compute_dtype="fp32", quant_storage="bf16"),
+     dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+          bnb_4bit_compute_dtype="float32", bnb_4bit_quant_storage="bfloat16")),
+    ("bf16", dict(quant="int8"), dict(load_in_8bit=True)),
+])
+def test_qlora_bnb_config_builds_the_planned_bitsandbytes_config(precision, fields, expected, llama_plans):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    plan = with_method(llama_plans[precision], method="qlora", **fields)
+    files = emit.render(plan, memplan.resolve_model("llama-3.2-1b"), ("trainer",))
+    bnb = json.loads(files["bnb_config.json"])
+    assert bnb == expected
+    c = BitsAndBytesConfig(**bnb)
+    assert c.load_in_4bit == bnb.get("load_in_4bit", False) and c.load_in_8bit == bnb.get("load_in_8bit", False)
+    if c.load_in_4bit:
+        assert c.bnb_4bit_quant_type == bnb["bnb_4bit_quant_type"]
+        assert c.bnb_4bit_compute_dtype == getattr(torch, bnb["bnb_4bit_compute_dtype"])
+        assert c.bnb_4bit_quant_storage == getattr(torch, bnb["bnb_4bit_quant_storage"])
+    launch = json.loads(files["plan.json"])["launch"]
+    half = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
+    assert launch["model_kwargs"]["dtype"] == half  # the base loads in the precision's half type
+    assert (launch["method"], launch["lora_config"], launch["quantization_config"]) == ("qlora", "lora_config.json",
+                                                                                     "bnb_config.json")
+
+
+def test_lora_config_resolves_peft_defaults_and_builds_a_lora_config(llama_plans):
+    from peft import LoraConfig, TaskType
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    spec = memplan.resolve_model("llama-3.2-1b")
+    plan = with_method(llama_plans["bf16"], method="lora", lora_r=16, lora_alpha=32.0, lora_dropout=0.05)
+    files = emit.render(plan, spec, ("trainer", "deepspeed", "accelerate"))
+    assert "bnb_config.json" not in files
+    cfg = json.loads(files["lora_config.json"])
+    c = LoraConfig(**cfg)
+    assert c.target_modules == set(PEFT_DEFAULTS["llama"])  # PEFT's own default, written out
+    assert (c.r, c.lora_alpha, c.lora_dropout, c.bias, c.task_type) == (16, 32, 0.05, "none", TaskType.CAUSAL_LM)
+    assert c.modules_to_save is None
+    wide = with_method(llama_plans["bf16"], method="lora", lora_targets=("all-linear",), modules_to_save=("lm_head",))
+    cfg = emit.lora_config(wide, spec)
+    assert cfg["target_modules"] == "all-linear" and LoraConfig(**cfg).modules_to_save == ["lm_head"]
+    assert json.loads(files["plan.json"])["launch"]["model_kwargs"]["dtype"] == "bfloat16"
+    assert "lora_config.json" in emit.emit_names("trainer") and "bnb_config.json" in emit.emit_names("all")
+
+
+def test_lora_config_of_a_classifier_gives_peft_the_task_memplan_counted(tmp_path):
+    """A sequence classifier: task_type SEQ_CLS, so PEFT trains a copy of the classifier beside the adapters,
+    as memplan counts (get_peft_model on the meta device)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from memplan.estimator.finetune import Tuning, params_trainable
+
+    tiny = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128,
+            "max_position_embeddings": 64, "num_labels": 3}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    spec = memplan.resolve_model(str(tmp_path / "config.json"), head="sequence-classification")
+    plan = memplan.suggest(spec, "a100-80g", seq_len=64, global_batch=8, precision="bf16", zero="0", top=1).plans[0]
+    plan = with_method(plan, method="lora", grad_ckpt="none")
+    cfg = emit.lora_config(plan, spec)
+    assert cfg["task_type"] == "SEQ_CLS" and cfg["target_modules"] == ["query", "value"]
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(**tiny))
+    peft_model = get_peft_model(model, LoraConfig(**cfg))
+    assert peft_model.get_nb_trainable_parameters()[0] == params_trainable(spec, Tuning.of(plan.workload))
+
+
+def test_training_arguments_of_a_qlora_plan(llama_plans):
+    """The plan's optimizer (paged 8-bit AdamW), bf16 autocast over the bf16 base, and non-reentrant
+    checkpointing under the installed transformers' field names."""
+    plan = with_method(llama_plans["bf16"], method="qlora", optim="paged_adamw_8bit")
+    kw = plan.training_arguments()
+    assert kw["optim"] == "paged_adamw_8bit" and kw["bf16"] is True and kw["fp16"] is False
+    assert kw["activation_checkpointing"] is True and kw["activation_checkpointing_kwargs"] == {"use_reentrant": False}
+    a = quiet_training_arguments(kw)
+    assert a.optim == "paged_adamw_8bit" and a.activation_checkpointing_kwargs == {"use_reentrant": False}
+    pure = with_method(llama_plans["bf16-pure"], method="lora", grad_ckpt="none").training_arguments()
+    assert not pure["bf16"] and not pure["fp16"] and "activation_checkpointing_kwargs" not in pure

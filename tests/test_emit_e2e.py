@@ -166,3 +166,97 @@ def test_zero1_without_offload_trains_with_the_trainers_optimizer(deepspeed_runs
     plan, run = deepspeed_runs["zero1"]
     assert (plan["zero_stage"], plan["offload"]) == (1, "none")
     assert run["steps"] == 2 and run["optimizer"] == "AdamW" and run["betas"] == [0.9, 0.95]
+
+
+# -- fine-tuning methods ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_plan(tiny):
+    """The tiny llama's first plan under bf16 with full checkpointing (what the methods below start from:
+    the search does not take --method yet, so the method is set on the plan's workload)."""
+    import memplan
+
+    spec = memplan.resolve_model(str(tiny / "config.json"))
+    s = memplan.suggest(spec, "a100-80g", seq_len=SEQ, global_batch=4, precision="bf16", optim="adamw_torch",
+                        grad_ckpt="full", kernels=False, attn="sdpa", top=1)
+    return s.plans[0], spec
+
+
+def with_method(plan, **fields):
+    from memplan.inputs.workload import Workload
+
+    return plan.model_copy(update={"workload": Workload(**{**plan.workload.model_dump(), **fields})})
+
+
+# memplan counts a block of a frozen run twice once the spec's totals were read: _frozen_blocks' model_copy
+# (update={"count": k}) keeps the cached `total` of the whole group (ParamGroup.total is a cached_property,
+# which pydantic copies); strict, so the fix shows here
+COUNT_CACHE_BUG = pytest.mark.xfail(strict=True, reason="estimator/finetune.py freeze count reads a stale cached total")
+
+
+@pytest.mark.parametrize("fields", [dict(method="lora"), dict(method="qlora"),
+                                    pytest.param(dict(method="freeze", trainable_layers=1), marks=COUNT_CACHE_BUG)],
+                         ids=lambda f: f["method"])
+def test_a_fine_tuning_method_trains_two_steps_from_the_emitted_files(fields, bf16_plan, tmp_path, capsys):
+    """LoRA (bf16 base, bf16 autocast), 4-bit QLoRA (bitsandbytes' CPU backend) and frozen layers: the
+    emitted train.py trains exactly the parameters memplan counted, and the loss is finite."""
+    import math
+
+    import torch
+    from transformers import AutoConfig
+
+    from memplan import emit
+    from memplan.estimator.finetune import Tuning, params_trainable
+
+    base, spec = bf16_plan
+    plan = with_method(base, **fields)
+    out = tmp_path / "emitted"
+    emit.write(emit.render(plan, spec, ("trainer", "deepspeed", "accelerate")), str(out))
+    method = fields["method"]
+    assert (out / "lora_config.json").exists() == (method in ("lora", "qlora"))
+    assert (out / "bnb_config.json").exists() == (method == "qlora")
+    trainer = load_train_py(out).build_trainer(Tokens(), out, config=AutoConfig.for_model(**TINY),
+                                               args_overrides=dict(CPU_RUN, output_dir=str(tmp_path / "run")))
+    model = trainer.model
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    expected = params_trainable(spec, Tuning.of(plan.workload))
+    assert sum(p.numel() for p in trained.values()) == expected > 0
+    assert f"trainable params: {expected:,}" in capsys.readouterr().out
+    kinds = {type(p).__name__ for p in model.parameters()}
+    assert ("Params4bit" in kinds) == (method == "qlora")
+    if method == "lora":  # the frozen base in bf16, the adapters in fp32
+        assert model.get_parameter("base_model.model.model.layers.0.self_attn.k_proj.weight").dtype == torch.bfloat16
+        assert {p.dtype for p in trained.values()} == {torch.float32}
+    before = {n: p.detach().clone() for n, p in trained.items()}
+    result = trainer.train()
+    assert result.global_step == 2 and math.isfinite(result.training_loss) and result.training_loss > 0
+    assert all(not torch.equal(before[n], p) for n, p in trained.items() if "lora_B" in n)  # B starts at 0
+
+
+def test_freeze_trains_the_last_block_the_head_and_the_final_norm(bf16_plan, tmp_path):
+    """--method freeze --trainable-layers 1 (--modules-to-save embed_tokens): train.py trains layer 1, the
+    final norm, the head and the embeddings, and leaves layer 0 as it was."""
+    import math
+
+    import torch
+    from transformers import AutoConfig
+
+    from memplan import emit
+
+    base, spec = bf16_plan
+    plan = with_method(base, method="freeze", trainable_layers=1, modules_to_save=("embed_tokens",))
+    out = tmp_path / "emitted"
+    emit.write(emit.render(plan, spec, ("trainer",)), str(out))
+    assert not (out / "lora_config.json").exists() and not (out / "bnb_config.json").exists()
+    trainer = load_train_py(out).build_trainer(Tokens(), out, config=AutoConfig.for_model(**TINY),
+                                               args_overrides=dict(CPU_RUN, output_dir=str(tmp_path / "run")))
+    model = trainer.model
+    trained = {n.rsplit(".", 1)[0].split(".layers.")[-1].split(".")[0] if ".layers." in n else n.rsplit(".", 1)[0]
+               for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"1", "model.norm", "lm_head", "model.embed_tokens"}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".layers.0." in n}
+    up = "model.layers.1.mlp.up_proj.weight"
+    trained_before = model.get_parameter(up).detach().clone()
+    result = trainer.train()
+    assert result.global_step == 2 and math.isfinite(result.training_loss)
+    assert all(torch.equal(p, model.get_parameter(n)) for n, p in frozen.items())
+    assert not torch.equal(model.get_parameter(up), trained_before)

@@ -11,6 +11,8 @@ ACCELERATE_YAML = "accelerate_config.yaml"
 PLAN_JSON = "plan.json"
 TRAIN_PY = "train.py"
 LAUNCH_SH = "launch.sh"
+LORA_CONFIG = "lora_config.json"  # peft.LoraConfig kwargs (--method lora / qlora)
+BNB_CONFIG = "bnb_config.json"  # transformers.BitsAndBytesConfig kwargs (--method qlora)
 GRADIENT_CLIPPING = 1.0  # TrainingArguments.max_grad_norm's default, repeated in the DeepSpeed file
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from memplan import __version__
 from memplan.emit.accelerate_yaml import accelerate_config
-from memplan.emit.common import ACCELERATE_YAML, DS_CONFIG, LAUNCH_SH, PLAN_JSON, TRAIN_PY, TRAINING_ARGS, uses_deepspeed
+from memplan.emit.common import (ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LAUNCH_SH, LORA_CONFIG, PLAN_JSON, TRAIN_PY,
+                                 TRAINING_ARGS, uses_deepspeed)
 from memplan.emit.ds_config import deepspeed_config
+from memplan.emit.finetune import adapters, bnb_config, lora_config
 from memplan.emit.launch import launch_script, launch_section
 from memplan.emit.trainer import training_arguments, training_arguments_py
 from memplan.errors import UserError
@@ -21,8 +23,9 @@ KINDS = ("trainer", "deepspeed", "accelerate")
 TRAINING_ARGS_PY = "training_args.py"
 # The files each kind may write, whatever the plan turns out to be: the CLI refuses a clash with any of
 # them before it searches. The trainer and accelerate files point at ds_config.json under DeepSpeed, so
-# it comes with them; plan.json always.
-MAY_WRITE = {"trainer": (TRAINING_ARGS, TRAINING_ARGS_PY, TRAIN_PY, LAUNCH_SH, DS_CONFIG), "deepspeed": (DS_CONFIG,),
+# it comes with them; train.py's LoRA and quantisation configs with the trainer files; plan.json always.
+MAY_WRITE = {"trainer": (TRAINING_ARGS, TRAINING_ARGS_PY, TRAIN_PY, LAUNCH_SH, DS_CONFIG, LORA_CONFIG, BNB_CONFIG),
+             "deepspeed": (DS_CONFIG,),
              "accelerate": (ACCELERATE_YAML, LAUNCH_SH, DS_CONFIG)}
 
 
@@ -38,7 +41,8 @@ def sidecar(plan, launch: dict | None = None) -> dict:
 
 def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
     """File name -> text for the requested kinds (trainer, deepspeed, accelerate), plus plan.json, and
-    train.py + launch.sh where the HF Trainer can run the plan."""
+    train.py + launch.sh where the HF Trainer can run the plan (with lora_config.json / bnb_config.json
+    for LoRA / QLoRA)."""
     import yaml
 
     out: dict[str, str] = {}
@@ -47,6 +51,7 @@ def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
         out[TRAINING_ARGS] = json.dumps(kw, indent=1) + "\n"
         out[TRAINING_ARGS_PY] = training_arguments_py(plan, kw)
         out[TRAIN_PY] = (Path(__file__).parent / "train.py").read_text(encoding="utf-8")
+        out |= method_files(plan, spec)
     if "accelerate" in what:
         head = (f"# memplan {__version__}: {plan.estimate.model.name}, predicted peak "
                 f"{plan.estimate.device_used_bytes / 2**30:.2f} GiB per GPU; see plan.json\n")
@@ -54,10 +59,20 @@ def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
     # a DeepSpeed plan's TrainingArguments and accelerate YAML name ds_config.json: it comes with them
     if uses_deepspeed(plan) and ("deepspeed" in what or TRAINING_ARGS in out or ACCELERATE_YAML in out):
         out[DS_CONFIG] = json.dumps(deepspeed_config(plan, spec), indent=1) + "\n"
-    launch = launch_section(plan, set(out))
+    launch = launch_section(plan, set(out), spec)
     if launch["command"]:
         out[LAUNCH_SH] = launch_script(launch)
     out[PLAN_JSON] = json.dumps(sidecar(plan, launch), indent=1) + "\n"
+    return out
+
+
+def method_files(plan, spec: ModelSpec) -> dict[str, str]:
+    """lora_config.json for LoRA / QLoRA, bnb_config.json for QLoRA (train.py reads them)."""
+    out: dict[str, str] = {}
+    if adapters(plan):
+        out[LORA_CONFIG] = json.dumps(lora_config(plan, spec), indent=1) + "\n"
+    if plan.workload.method == "qlora":
+        out[BNB_CONFIG] = json.dumps(bnb_config(plan), indent=1) + "\n"
     return out
 
 

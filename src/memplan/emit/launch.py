@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import shlex
 
-from memplan.emit.common import ACCELERATE_YAML, DS_CONFIG, TRAIN_PY, uses_deepspeed
+from memplan.emit.common import ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LORA_CONFIG, TRAIN_PY, uses_deepspeed
+from memplan.emit.finetune import adapters, freeze_section, half_dtype
 from memplan.inputs.hf import HEADS
+from memplan.inputs.modelspec import ModelSpec
 
 # transformers' attn_implementation for each memplan attention (transformers 5.23 modeling_utils.py
 # _check_and_adjust_attn_implementation). memplan's tiled attention is installed over sdpa by
@@ -17,6 +19,8 @@ ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attenti
 # checkpoint's own (modeling_utils.py), which would load bf16 weights where an autocast plan counted fp32
 # master weights; so the dtype is always explicit: bfloat16 only for pure bf16 training.
 LOAD_DTYPE = {"bf16-pure": "bfloat16", "fp32": "float32", "fp16": "float32", "bf16": "float32"}
+# LoRA and QLoRA load the frozen base in the precision's half type (fp32 under fp32), as memplan counts it
+# (estimator/finetune.py Tuning.half_load); TrainingArguments' bf16 / fp16 then autocast over it.
 
 # What a plan may hold that no emitted file expresses: (setting, whether the plan uses it, why).
 NOT_EXPRESSED = (
@@ -34,7 +38,8 @@ NOT_EXPRESSED = (
 
 def model_kwargs(plan) -> dict:
     """Keyword arguments for from_pretrained / from_config."""
-    return {"attn_implementation": ATTN_IMPLEMENTATION[plan.attn], "dtype": LOAD_DTYPE[plan.precision]}
+    dtype = half_dtype(plan.precision) if adapters(plan) else LOAD_DTYPE[plan.precision]
+    return {"attn_implementation": ATTN_IMPLEMENTATION[plan.attn], "dtype": dtype}
 
 
 def kernels(plan) -> dict | None:
@@ -60,9 +65,13 @@ def command(plan, files: set[str]) -> str | None:
     return f"python {TRAIN_PY}"
 
 
-def launch_section(plan, files: set[str]) -> dict:
-    """plan.json's `launch`: what train.py reads, and what it cannot do, as data."""
+def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict:
+    """plan.json's `launch`: what train.py reads, and what it cannot do, as data. `spec`: needed for
+    --method freeze (the module paths it trains)."""
     model = plan.estimate.model
+    method = plan.workload.method
+    if method == "freeze" and spec is None:
+        raise ValueError("freeze plans need the model spec (the modules to train)")
     return {
         "model": model.hf_id or model.name,
         "auto_class": HEADS[model.head],  # the transformers Auto class that builds the planned head
@@ -71,6 +80,11 @@ def launch_section(plan, files: set[str]) -> dict:
         "kernels": kernels(plan),
         # full: TrainingArguments' checkpointing field; selective: memplan.selective.enable_selective(model)
         "checkpointing": plan.grad_ckpt,
+        # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`
+        "method": method,
+        "lora_config": LORA_CONFIG if adapters(plan) else None,
+        "quantization_config": BNB_CONFIG if method == "qlora" else None,
+        "freeze": freeze_section(plan, spec) if method == "freeze" else None,
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         "command": command(plan, files),
     }

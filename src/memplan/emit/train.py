@@ -1,12 +1,15 @@
 """Train as memplan planned, with the HF Trainer and the files beside this script (copied there by
 `memplan suggest --emit`): training_args.json, plan.json's "launch" section, ds_config.json where the
-plan uses DeepSpeed. Start it with launch.sh. The data is yours: --data FILE (plain text) gives causal LMs
-blocks of the planned sequence length; for anything else, call build_trainer with your dataset."""
+plan uses DeepSpeed, lora_config.json (and bnb_config.json) for LoRA (QLoRA). Start it with launch.sh.
+The data is yours: --data FILE (plain text) gives causal LMs blocks of the planned sequence length; for
+anything else, call build_trainer with your dataset."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,17 +41,74 @@ def build_trainer(train_dataset, directory: Path = HERE, *, config=None, args_ov
                   model_overrides: dict | None = None, **trainer_kwargs):
     """The Trainer for the plan. `config`: build the model from it with random weights instead of loading
     plan.json's model (tests); the overrides replace emitted values (e.g. use_cpu for a CPU run)."""
+    import transformers
+
+    directory = Path(directory)
+    launch, kw = read_files(directory)
+    # TrainingArguments first: under ZeRO-3 DeepSpeed partitions the model while it loads
+    args = transformers.TrainingArguments(**{**kw, **(args_overrides or {})})
+    model = load_model(launch, directory, args, config, model_overrides)
+    model = tune(prepare(model, launch), launch, directory)
+    return transformers.Trainer(model=model, args=args, train_dataset=train_dataset, **trainer_kwargs)
+
+
+def load_model(launch: dict, directory: Path, args, config=None, overrides: dict | None = None):
+    """The model with plan.json's loading kwargs; for QLoRA quantised by bitsandbytes as it loads, which
+    only from_pretrained does: random weights (`config`) are saved to a temporary directory and loaded
+    back."""
     import torch
     import transformers
 
-    launch, kw = read_files(Path(directory))
-    # TrainingArguments first: under ZeRO-3 DeepSpeed partitions the model while it loads
-    args = transformers.TrainingArguments(**{**kw, **(args_overrides or {})})
-    model_kw = {**launch["model_kwargs"], **(model_overrides or {})}
-    model_kw["dtype"] = getattr(torch, model_kw["dtype"])
+    kw = {**launch["model_kwargs"], **(overrides or {})}
+    kw["dtype"] = getattr(torch, kw["dtype"])
     auto = getattr(transformers, launch["auto_class"])
-    model = auto.from_config(config, **model_kw) if config is not None else auto.from_pretrained(launch["model"], **model_kw)
-    return transformers.Trainer(model=prepare(model, launch), args=args, train_dataset=train_dataset, **trainer_kwargs)
+    if not launch.get("quantization_config"):
+        return auto.from_config(config, **kw) if config is not None else auto.from_pretrained(launch["model"], **kw)
+    quant = transformers.BitsAndBytesConfig(**json.loads((directory / launch["quantization_config"]).read_text()))
+    # each process quantises onto its own GPU (bitsandbytes quantises as the weights move there)
+    device = "cpu" if args.use_cpu or not torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+    with tempfile.TemporaryDirectory() as tmp:
+        source = launch["model"]
+        if config is not None:
+            auto.from_config(config, **kw).save_pretrained(tmp)
+            source = tmp
+        return auto.from_pretrained(source, quantization_config=quant, device_map={"": device}, **kw)
+
+
+def tune(model, launch: dict, directory: Path):
+    """The fine-tuning method: LoRA adapters (PEFT), after prepare_model_for_kbit_training for QLoRA, or
+    the frozen layers of --method freeze; full fine-tuning trains the model as it is."""
+    if launch.get("freeze"):
+        return freeze(model, launch["freeze"])
+    if not launch.get("lora_config"):
+        return model
+    import peft
+
+    if launch.get("quantization_config"):
+        # fp32 copies of the non-quantised parameters, checkpointing as planned (non-reentrant: the
+        # frozen inputs need no requires_grad hook)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=launch["checkpointing"] == "full",
+                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = peft.LoraConfig(**json.loads((directory / launch["lora_config"]).read_text()))
+    model = peft.get_peft_model(model, lora)
+    model.print_trainable_parameters()
+    return model
+
+
+def freeze(model, section: dict):
+    """Train only the modules plan.json names (the last K blocks, the head, the final norm) and those
+    under a modules_to_save name (PEFT's rule: some module on the path ends with it)."""
+    keep, saved = section["trainable_modules"], section["modules_to_save"]
+    trained = 0
+    for name, param in model.named_parameters():
+        parts = name.split(".")[:-1]
+        path = ".".join(parts)
+        ancestors = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        param.requires_grad = (any(path == k or path.startswith(k + ".") for k in keep)
+                               or any(a.endswith(n) for a in ancestors for n in saved))
+        trained += param.numel() if param.requires_grad else 0
+    print(f"trainable params: {trained:,} (the last {section['trainable_layers']} blocks, the head, the final norm)")
+    return model
 
 
 def text_blocks(path: str, model: str, seq_len: int):

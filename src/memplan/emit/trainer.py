@@ -58,6 +58,12 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
         kw["fsdp"] = True
         kw["fsdp_config"] = fsdp_config(plan, spec)
         kw[checkpointing_field()] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
+    if kw[checkpointing_field()]:
+        # non-reentrant checkpointing, explicit: with frozen layers below (LoRA, freeze) the reentrant
+        # kind sees no input that requires grad and returns no gradient for the layers it recomputes
+        # (torch.utils.checkpoint docs); transformers 5.23 defaults to it (modeling_utils.py
+        # _activation_checkpointing_enable), earlier versions did not
+        kw[checkpointing_field() + "_kwargs"] = {"use_reentrant": False}
     if spec is not None and compile_pays(plan, spec):
         kw["torch_compile"] = True
     # little headroom left: return cached blocks between steps so fragmentation cannot grow into an OOM
