@@ -142,3 +142,69 @@ def test_masked_lm_loss_in_a_pure_half_model_stays_half():
     r = run(model="bert-base", head="masked-lm", gpu="a100-80g", device="fake", steps=2, micro_batch=16, seq_len=512,
             attn="sdpa", precision="bf16-pure")
     assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
+
+
+# -- fine-tuning methods (memplan.verify.methods) ------------------------------------------------------
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
+              "tie_word_embeddings": False}
+
+
+def _trainable_and_stored(w, device: str):
+    """(trainable parameter count, bytes of the weights and quantisation states) of the model verify builds."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.verify.methods import quant_state_tensors
+    from memplan.verify.run import setup
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
+    with mode:
+        model = setup(TINY_LLAMA, "causal-lm", w, "meta" if device == "fake" else "cpu")[0]
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        quant = quant_state_tensors(model)
+    return trained, quant
+
+
+@pytest.mark.parametrize("device, fields", [
+    ("fake", {"method": "lora", "lora_r": 16}),
+    ("fake", {"method": "lora", "lora_targets": ("all-linear",), "lora_dropout": 0.1, "grad_ckpt": "full"}),
+    ("fake", {"method": "freeze", "trainable_layers": 1}),
+    ("cpu", {"method": "qlora", "lora_targets": ("all-linear",)}),
+    ("cpu", {"method": "qlora", "quant": "int8"}),
+])
+def test_verify_trains_what_the_method_trains(device, fields):
+    """verify applies the method as a training script does (PEFT, bitsandbytes, requires_grad): the model it
+    trains has the estimator's trainable parameter count, and a qlora model its quantisation states."""
+    from memplan.estimator.finetune import Tuning, params_trainable
+    from memplan.inputs.hf import spec_from_config
+
+    w = api.workload(micro_batch=1, seq_len=32, precision="bf16", **fields)
+    trained, quant = _trainable_and_stored(w, device)
+    assert trained == params_trainable(spec_from_config(TINY_LLAMA, "tiny-llama", "causal-lm"), Tuning.of(w))
+    # 7 quantised linears per block; nf4 with double quantisation: absmax, code, offset, state2's absmax and code
+    per_weight = {"nf4": 5, "int8": 1}[w.quant] if w.method == "qlora" else 0
+    assert len({id(t) for t in quant}) >= 14 * per_weight and (per_weight or not quant)
+
+
+def test_traced_qlora_counts_the_quantisation_states_as_weights():
+    """A qlora step on the CPU: the weights at the peak are the packed 4-bit weights, their states and the
+    fp32 rest (prepare_model_for_kbit_training), not the bf16 model; adapters trained."""
+    w = api.workload(micro_batch=2, seq_len=32, precision="bf16", method="qlora")
+    s = run_traced(TINY_LLAMA, "causal-lm", w, (8, 0), "cpu", 2)["summary"]
+    linears = 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 688)  # q, o, k, v, gate, up, down per block
+    fp32_rest = 4 * (2 * 1000 * 256 + 5 * 256)  # embeddings, lm_head, norms
+    adapters = 4 * 2 * (8 * (256 + 256) + 8 * (256 + 128))  # r=8 on q_proj and v_proj, fp32
+    floor = linears // 2 + fp32_rest + adapters  # packed 4-bit weights: 2 per byte
+    # + per weight the uint8 absmax (1 B per 64) and 4 small state tensors, each a 512-byte block
+    assert floor + linears // 64 < s.breakdown["weights"] <= floor + linears // 64 + 14 * 5 * 512 + 4096, s.breakdown
+    assert s.breakdown.get("optimizer_states", 0) > 0
+
+
+def test_fake_qlora_is_one_line_asking_for_cpu():
+    from memplan.errors import UserError
+
+    w = api.workload(precision="bf16", method="qlora")
+    with pytest.raises(UserError, match="--device cpu"):
+        run_traced(TINY_LLAMA, "causal-lm", w, (8, 0), "fake", 2)

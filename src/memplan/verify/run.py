@@ -108,11 +108,9 @@ def make_batch(model, head: str, b: int, s: int, dtype, device: str) -> dict[str
 
 
 def prepare_model(model, w: Workload) -> None:
-    import torch
-
-    if w.precision == "bf16-pure" and next(model.parameters()).dtype != torch.bfloat16:
-        model.to(torch.bfloat16)
-    if w.grad_ckpt == "full":
+    """Checkpointing and memplan's kernels on the base model, as the training script sets them up (qlora:
+    prepare_model_for_kbit_training turns checkpointing on itself)."""
+    if w.grad_ckpt == "full" and w.method != "qlora":
         kwargs = {"use_reentrant": False}  # transformers 5's default, and torch's recommendation
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -199,16 +197,22 @@ def setup(config, head: str | None, w: Workload, device: str):
     import torch
 
     from memplan.inputs.hf import build_model
+    from memplan.verify import methods
     from memplan.verify.optimizers import build_optimizer
 
-    half = w.precision == "bf16-pure"
-    dtype = torch.bfloat16 if half else torch.float32
+    dtype = methods.load_dtype(w)  # the fine-tuning method's load dtype (docs/finetune.md)
     torch.manual_seed(0)
     with torch.device(device):
-        model, head = build_model(config, head, w.attn, half_weights=half)
+        model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
     if device == "meta":
         _materialize(model, dtype)
+    elif next(model.parameters()).dtype != dtype:
+        model.to(dtype)
+    if w.method == "qlora":
+        methods.quantise(model, w)
+        methods.prepare_kbit(model, w)
     prepare_model(model, w)
+    model = methods.apply_method(model, w, head)
     optimizer = build_optimizer(w.optim, [p for p in model.parameters() if p.requires_grad], momentum=w.momentum)
     return model, head, optimizer, dtype
 
@@ -219,8 +223,13 @@ def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], devic
     from memplan.verify.cudasim import CudaSemantics
     from memplan.verify.tracer import LiveTracker
 
+    import torch
+
+    from memplan.verify.methods import check_device, cuda_bnb_paths, load_dtype, quant_state_tensors
+
     fake = device == "fake"
-    if fake and _is_moe(config) and w.precision != "bf16-pure":
+    check_device(w, device)
+    if fake and _is_moe(config) and load_dtype(w) != torch.bfloat16:
         raise UserError("--device fake traces MoE models with bf16-pure weights only: with fp32 weights "
                         "transformers routes tokens with data-dependent shapes (nonzero), which fake tensors "
                         "cannot run; use --precision bf16-pure, or --device cpu / cuda")
@@ -234,8 +243,9 @@ def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], devic
         model, head, optimizer, dtype = setup(config, head, w, "meta" if fake else "cpu")
         sem = CudaSemantics(_half(w), sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
         tracker = LiveTracker()
-        with tracker:
-            tracker.register(list(model.parameters()) + list(model.buffers()), "weights")
+        # qlora: bitsandbytes' CUDA matmul paths on the CPU (methods.cuda_bnb_paths)
+        with tracker, cuda_bnb_paths() if w.method == "qlora" else contextlib.nullcontext():
+            tracker.register(list(model.parameters()) + list(model.buffers()) + quant_state_tensors(model), "weights")
             with sem:
                 times = train_steps(model, lambda: make_batch(model, head, w.micro_batch, w.seq_len, dtype, "cpu"),
                                     optimizer, w, steps, tracker=tracker, sem=sem, on_phase=on_phase)

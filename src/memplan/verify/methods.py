@@ -1,0 +1,262 @@
+"""The fine-tuning method applied to the built model as a user's training script applies it (docs/finetune.md).
+
+- lora: the base loaded in the precision's half type (fp32 under --precision fp32), then
+  `peft.get_peft_model(model, LoraConfig(...))` (adapters up-cast to fp32: autocast_adapter_dtype=True).
+- qlora: the base's linear layers converted and quantised by bitsandbytes the way transformers'
+  `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does it (its HfQuantizer replaces the
+  modules, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize quantise each weight), then
+  `peft.prepare_model_for_kbit_training` and get_peft_model.
+- freeze: the model as in full fine-tuning; the last K blocks of the stack next to the head, the head and the
+  norms outside the blocks (+ modules_to_save) keep requires_grad, as estimator/finetune.py counts them.
+
+Sources: peft 0.21.2 (mapping_func.py get_peft_model, utils/other.py prepare_model_for_kbit_training),
+transformers 5.23 (quantizers/quantizer_bnb_4bit.py, integrations/bitsandbytes.py), bitsandbytes 0.50.2
+(nn/modules.py Params4bit / Int8Params, functional.py quantize_4bit, autograd/_functions.py matmul).
+
+FakeTensors (verify --device fake): lora and freeze run (PEFT's adapters are made on the meta device and
+become FakeTensors after, see add_adapters). qlora does not: bitsandbytes' ops have fake kernels
+(bitsandbytes/_ops.py register_fake) and quantising a FakeTensor works, but a Params4bit / Int8Params is a
+Tensor._make_subclass parameter, which cannot wrap a FakeTensor: around fake data it reports the meta device
+and the first matmul fails on mixed devices; and LLM.int8's training matmul (MatMul8bitLt) splits outlier
+columns whose count depends on the data. qlora runs on --device cpu (real tensors, small models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from memplan.errors import UserError
+from memplan.estimator.finetune import ALL_LINEAR, under
+from memplan.estimator.rules import PRECISIONS
+from memplan.inputs.hf import categorize, module_path
+from memplan.inputs.workload import Workload
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# peft TaskType per head: the task type picks the PeftModel subclass (its forward, and for classification
+# heads the classifier PEFT adds to modules_to_save); heads without one get the plain PeftModel
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "sequence-classification": "SEQ_CLS",
+              "token-classification": "TOKEN_CLS", "question-answering": "QUESTION_ANS"}
+
+
+def load_dtype(w: Workload) -> torch.dtype:
+    """The dtype the model is built in: lora / qlora load the base in the precision's half type (fp32
+    under fp32); full and freeze train fp32 weights, except bf16-pure (model.to(bfloat16))."""
+    half = PRECISIONS[w.precision].half
+    if w.method in ("lora", "qlora"):
+        return DTYPES[half] if half else torch.float32
+    return torch.bfloat16 if w.precision == "bf16-pure" else torch.float32
+
+
+def compute_dtype(w: Workload) -> torch.dtype:
+    """bnb_4bit_compute_dtype: "auto" is the precision's half type (fp32 under fp32)."""
+    if w.compute_dtype != "auto":
+        return DTYPES[w.compute_dtype]
+    half = PRECISIONS[w.precision].half
+    return DTYPES[half] if half else torch.float32
+
+
+def check_device(w: Workload, device: str) -> None:
+    if device == "fake" and w.method == "qlora":
+        raise UserError("--device fake cannot run --method qlora (bitsandbytes' quantised weights cannot hold fake "
+                        "tensors); use --device cpu with a small model, or cuda")
+
+
+def bnb_config(w: Workload):
+    from transformers import BitsAndBytesConfig
+
+    if w.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    storage = {"uint8": torch.uint8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=w.quant, bnb_4bit_use_double_quant=w.double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype(w), bnb_4bit_quant_storage=storage[w.quant_storage])
+
+
+def suspend_fake():
+    """Leave the fake mode (if any) for the bitsandbytes parameter constructors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def quantise(model, w: Workload) -> None:
+    """transformers' bitsandbytes loading on a built model: the quantizer replaces nn.Linear / Conv1D
+    (outside get_keys_to_not_convert) by bnb modules, each weight is quantised as Bnb4bitQuantize /
+    Bnb8bitQuantize does it, and the quantizer marks the model (is_loaded_in_4bit / 8bit)."""
+    import bitsandbytes as bnb
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(bnb_config(w), pre_quantized=False)
+    floats = {name: (m.weight, m.bias) for name, m in model.named_modules()
+              if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"}
+    with suspend_fake():
+        if "dynamic" not in bnb.functional.name2qmap:  # bnb's cached map: built from Python lists (tolist)
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
+        quantizer.preprocess_model(model, device_map={"": "cpu"})
+    for name, module in model.named_modules():
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            weight, bias = floats[name]
+            value = weight.detach().T if module.source_cls.__name__ == "Conv1D" else weight.detach()
+            module.weight = quantised_weight(module.weight, value)
+            if bias is not None:
+                module.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+    quantizer.postprocess_model(model)
+
+
+def quantised_weight(meta_param, value: torch.Tensor):
+    """Bnb4bitQuantize: Params4bit(value, requires_grad=False, **meta.__dict__).to(device); Bnb8bitQuantize:
+    Int8Params(value, requires_grad=False, **meta.__dict__ without SCB).to(device). Built around an empty
+    tensor and given `value` as data: the same parameter (and _make_subclass refuses a FakeTensor)."""
+    kwargs = {k: v for k, v in meta_param.__dict__.items() if k != "SCB"}
+    with suspend_fake():
+        param = type(meta_param)(torch.empty(0, dtype=value.dtype), requires_grad=False, **kwargs)
+    param.data = value
+    return param.to("cpu")  # not yet quantised and leaving the meta device: bnb quantises here
+
+
+def lora_config(w: Workload, head: str):
+    from peft import LoraConfig
+
+    targets: Any = None  # PEFT's default for the model type, as in a script that names none
+    if w.lora_targets == (ALL_LINEAR,):
+        targets = ALL_LINEAR
+    elif w.lora_targets:
+        targets = list(w.lora_targets)
+    return LoraConfig(r=w.lora_r, lora_alpha=w.lora_alpha, lora_dropout=w.lora_dropout, target_modules=targets,
+                      modules_to_save=list(w.modules_to_save) or None, task_type=TASK_TYPES.get(head))
+
+
+def add_adapters(model, w: Workload, head: str):
+    """get_peft_model on the (prepared) base; the PeftModel trains."""
+    from peft import get_peft_model
+
+    fake = is_fake(next(model.parameters()))
+    try:
+        # FakeTensors: PEFT moves each new adapter with Module.to, which swaps a FakeTensor parameter
+        # (torch.utils.swap_tensors) and fails on the fake mode's weak references to it; the adapters are
+        # made on the meta device instead and become FakeTensors afterwards (materialize_meta)
+        with suspend_fake() if fake else contextlib.nullcontext(), torch.device("meta") if fake else contextlib.nullcontext():
+            model = get_peft_model(model, lora_config(w, head))
+    except ValueError as e:
+        raise UserError(f"--method {w.method}: PEFT cannot add LoRA adapters: {str(e).splitlines()[0]}") from None
+    if fake:
+        materialize_meta(model)
+    return model
+
+
+def is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as fake_check
+
+    return fake_check(t)
+
+
+def materialize_meta(model) -> None:
+    """Meta parameters and buffers -> empty tensors of the active (fake) mode, each keeping its dtype."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                # type(): a quantised weight (Params4bit around fake data) reports the meta device too
+                if t is None or t.device.type != "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                    continue
+                if id(t) not in done:
+                    new = torch.empty_like(t, device="cpu")
+                    done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
+                table[name] = done[id(t)]
+
+
+def prepare_kbit(model, w: Workload) -> None:
+    from peft import prepare_model_for_kbit_training
+
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=w.grad_ckpt == "full",
+                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def freeze_layers(model, w: Workload) -> None:
+    """freeze: requires_grad off everywhere but the last K blocks of the stack next to the head (the decoder's
+    in an encoder-decoder), the head and the norms outside the blocks, and modules_to_save."""
+    k = w.trainable_layers or 0
+    enc_dec = bool(getattr(model.config, "is_encoder_decoder", False))
+    stacks: dict[str, int] = {}  # block list path -> blocks
+    for name, _ in model.named_parameters():
+        stack, index = block_of(name)
+        if stack is not None:
+            stacks[stack] = max(stacks.get(stack, 0), index + 1)
+    for name, p in model.named_parameters():
+        stack, index = block_of(name)
+        if stack is None:
+            train = categorize(name) in ("head", "norms")
+        else:
+            head_stack = not enc_dec or "decoder" in stack.split(".")
+            train = head_stack and index >= stacks[stack] - k
+        p.requires_grad_(train or under(module_path(name.rpartition(".")[0]), w.modules_to_save))
+
+
+def block_of(name: str) -> tuple[str | None, int]:
+    """(the path of the block list, the block's index) of a parameter name, or (None, -1) outside blocks."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part)
+    return None, -1
+
+
+def apply_method(model, w: Workload, head: str):
+    """The method on a built base model (its checkpointing already on, but for qlora where
+    prepare_model_for_kbit_training turns it on); returns the model that trains."""
+    if w.method == "freeze":
+        freeze_layers(model, w)
+    if w.method not in ("lora", "qlora"):
+        return model
+    return add_adapters(model, w, head)
+
+
+def quant_state_tensors(model) -> list[torch.Tensor]:
+    """Every tensor bitsandbytes keeps beside a quantised weight: a Params4bit's QuantState (absmax, code,
+    offset, the nested state2's absmax and code) and an Int8Params' SCB, with Linear8bitLt's MatmulLtState."""
+    found: list[torch.Tensor] = []
+
+    def collect(obj) -> None:
+        if obj is None:
+            return
+        for v in vars(obj).values():
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif type(v).__name__ == "QuantState":
+                collect(v)
+
+    for p in model.parameters():
+        collect(getattr(p, "quant_state", None))
+        found += [t for t in (getattr(p, "SCB", None), getattr(p, "CB", None)) if isinstance(t, torch.Tensor)]
+    for m in model.modules():
+        state = getattr(m, "state", None)
+        if type(state).__name__ == "MatmulLtState":
+            collect(state)
+    return found
+
+
+@contextlib.contextmanager
+def cuda_bnb_paths():
+    """bitsandbytes' CUDA training path on CPU tensors: autograd/_functions.py `matmul` sends a training
+    step on CPU tensors to MatMul8bitFp (dequantise, then a float matmul), on CUDA to MatMul8bitLt (int8
+    matmul of the activations, outlier columns in half) - a different set of saved tensors."""
+    import importlib
+
+    import bitsandbytes as bnb
+
+    bnb_autograd = importlib.import_module("bitsandbytes.autograd._functions")
+
+    def cuda_matmul(A, B, out=None, state=None, threshold=0.0, bias=None):
+        state = state or bnb_autograd.MatmulLtState()
+        if threshold > 0.0:
+            state.threshold = threshold
+        return bnb_autograd.MatMul8bitLt.apply(A, B, out, bias, state)
+
+    saved = bnb.matmul
+    bnb.matmul = cuda_matmul
+    try:
+        yield
+    finally:
+        bnb.matmul = saved
