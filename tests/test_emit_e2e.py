@@ -190,11 +190,10 @@ def with_method(plan, **fields):
 # memplan counts a block of a frozen run twice once the spec's totals were read: _frozen_blocks' model_copy
 # (update={"count": k}) keeps the cached `total` of the whole group (ParamGroup.total is a cached_property,
 # which pydantic copies); strict, so the fix shows here
-COUNT_CACHE_BUG = pytest.mark.xfail(strict=True, reason="estimator/finetune.py freeze count reads a stale cached total")
 
 
 @pytest.mark.parametrize("fields", [dict(method="lora"), dict(method="qlora"),
-                                    pytest.param(dict(method="freeze", trainable_layers=1), marks=COUNT_CACHE_BUG)],
+                                    dict(method="freeze", trainable_layers=1)],
                          ids=lambda f: f["method"])
 def test_a_fine_tuning_method_trains_two_steps_from_the_emitted_files(fields, bf16_plan, tmp_path, capsys):
     """LoRA (bf16 base, bf16 autocast), 4-bit QLoRA (bitsandbytes' CPU backend) and frozen layers: the

@@ -146,11 +146,11 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
         if head_stack:
             per = g.count // blocks
             k = min(t.trainable_layers, blocks) * per
-            out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
-            out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
+            out += [renew(g, {"count": k, "trainable": True})] if k else []
+            out += [renew(g, {"count": g.count - k, "trainable": False})] if g.count > k else []
             continue
         train = (not in_block and g.category in ("head", "norms")) or under(g.module, t.modules_to_save)
-        out.append(g.model_copy(update={"trainable": train}))
+        out.append(renew(g, {"trainable": train}))
     return tuple(out)
 
 
@@ -163,9 +163,9 @@ def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
     out: list[ParamGroup] = []
     for g in spec.params:
         store = quant_store if t.method == "qlora" and quantised(spec, g) else float_store
-        out.append(g.model_copy(update={"trainable": False, "store": store}))
+        out.append(renew(g, {"trainable": False, "store": store}))
         if under(g.module, saved):
-            out.append(g.model_copy(update={"trainable": True, "store": float_store,
+            out.append(renew(g, {"trainable": True, "store": float_store,
                                             "module": g.module + ".modules_to_save"}))
         if adapted(spec, t, g):
             n_in, n_out = in_out(g)
@@ -174,6 +174,11 @@ def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
                     ParamGroup(category="adapter", shape=(n_out, t.r), count=g.count, module=g.module + ".lora_B",
                                weight_of="Linear", store="fp32")]
     return tuple(out)
+
+
+def renew(g: ParamGroup, update: dict) -> ParamGroup:
+    """A changed copy of a group, built anew: model_copy would carry the cached numel and total over."""
+    return ParamGroup(**(g.model_dump() | update))
 
 
 def params_trainable(spec: ModelSpec, t: Tuning) -> int:

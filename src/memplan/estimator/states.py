@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
-from memplan.estimator.finetune import FULL, Tuning, element_bytes, stored_tensors, tuned_params
+from memplan.estimator.finetune import FULL, Tuning, element_bytes, renew, stored_tensors, tuned_params
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import (
     FP32, HALF, OPTIMIZERS, PAGED_MIN_NUMEL, PRECISIONS, Precision, optimizer_state_bytes,
@@ -265,7 +265,7 @@ def by_shape(groups) -> list[ParamGroup]:
     merged: dict[tuple, ParamGroup] = {}
     for g in groups:
         key = (g.category, g.shape, g.trainable, g.store)
-        merged[key] = g.model_copy(update={"count": merged[key].count + g.count}) if key in merged else g
+        merged[key] = renew(g, {"count": merged[key].count + g.count}) if key in merged else g
     return list(merged.values())
 
 
