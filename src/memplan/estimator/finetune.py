@@ -30,6 +30,8 @@ from memplan.estimator.rules import FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 ALL_LINEAR = "all-linear"
+# bitsandbytes functional.create_dynamic_map: 256 fp32 entries, the code of double quantisation's state2
+DYNAMIC_CODE_BYTES = 256 * FP32
 # PEFT's task types add the classification head to modules_to_save (peft/peft_model.py,
 # PeftModelForSequenceClassification / ForTokenClassification: classifier_module_names)
 TASK_MODULES_TO_SAVE = {"sequence-classification": ("classifier", "score"),
@@ -65,9 +67,25 @@ class Tuning(NamedTuple):
 FULL = Tuning("full", False, 0, (), (), "nf4", True, 0)
 
 
+# PEFT 0.21.2 lists Mixtral's default targets (utils/constants.py) but, on transformers 5, converts the
+# config for the fused MoE first (utils/transformers_weight_conversion.py _convert_peft_config_moe turns
+# target_modules=None into an empty set), so _prepare_adapter_config never applies the default and
+# inject_adapter raises "No `target_modules` passed": tests/test_finetune.py checks it still does.
+DEFAULT_FAILS = frozenset({"mixtral"})
+# PEFT's LoRA on transformers 5's fused MoE parameters (utils/transformers_weight_conversion.py
+# _MOE_TARGET_MODULE_MAPPING, _MOE_FUSED_TARGETS): the v4 names a target list (or all-linear) may give and
+# the parameter each now adapts; w1 and w3 are fused into gate_up_proj, adapted at twice the rank.
+MOE_TARGETS = {"mixtral": {"gate": "router", "w1": "gate_up", "w3": "gate_up", "w2": "down"}}
+# transformers keeps a model's _keep_in_fp32_modules out of bitsandbytes (quantizers/quantizer_bnb_4bit.py
+# and quantizer_bnb_8bit.py pass model._keep_in_fp32_modules to replace_with_bnb_linear):
+# models/t5/modeling_t5.py `_keep_in_fp32_modules = ["wo"]`. get_keys_to_not_convert (spec.unquantised)
+# does not list them.
+KEEP_IN_FP32 = {"t5": ("wo",)}
+
+
 def default_targets(spec: ModelSpec) -> tuple[str, ...]:
-    """PEFT's default target_modules for the model type; () where PEFT has none."""
-    return family(spec.model_type).lora_targets
+    """PEFT's default target_modules for the model type; () where PEFT has none (or its default fails)."""
+    return () if spec.model_type in DEFAULT_FAILS else family(spec.model_type).lora_targets
 
 
 def targets_of(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
@@ -99,19 +117,57 @@ def is_output_layer(spec: ModelSpec, g: ParamGroup) -> bool:
                                                                                "masked-lm")
 
 
+def in_saved(path: str, names: tuple[str, ...]) -> bool:
+    """PEFT never puts an adapter on or under a modules_to_save module: a whole path component sequence
+    equals the name (tuners_utils.check_target_module_exists, regex (^|.*\\.)NAME($|\\..*))."""
+    parts = path.split(".")
+    return any(".".join(parts[i:j]) == n for n in names for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
+
+
 def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
     """Whether LoRA adapts the linear whose weight is `g`."""
-    if not g.weight_of:
+    if not g.weight_of or in_saved(g.module, saved_modules(spec, t)):
         return False
     names = targets_of(spec, t)
     if names == (ALL_LINEAR,):
-        return not is_output_layer(spec, g) and not (spec.head in TASK_MODULES_TO_SAVE and g.category == "head")
+        # PEFT excludes the output embedding; for SEQ_CLS its classifier / score, which modules_to_save
+        # holds anyway (tuners_utils._maybe_include_all_linear_layers)
+        return not is_output_layer(spec, g)
     return matches(g.module, names)
 
 
+def moe_targets(spec: ModelSpec, t: Tuning) -> set[str]:
+    """The fused MoE parameters ("router", "gate_up", "down") PEFT adapts for these targets."""
+    table = MOE_TARGETS.get(spec.model_type, {})
+    names = targets_of(spec, t)
+    return set(table.values()) if names == (ALL_LINEAR,) else {table[n] for n in names if n in table}
+
+
+def moe_adapters(spec: ModelSpec, t: Tuning, g: ParamGroup) -> list[ParamGroup]:
+    """PEFT's ParamWrapper LoRA on a fused expert tensor (E, out, in): A (E*r, in) and B (out, E*r), r
+    doubled on gate_up_proj (w1 and w3, rank_pattern); on the router weight (E, in): A (r, in), B (E, r)."""
+    kinds = moe_targets(spec, t) if t.adapters else set()
+    if g.category == "router" and "router" in kinds:
+        return _lora_pair(g, g.shape[1], g.shape[0], t.r)
+    if g.category != "experts" or len(g.shape) != 3:
+        return []
+    e, n_out, n_in = g.shape
+    kind = "gate_up" if n_out == 2 * spec.intermediate_size else "down"
+    return _lora_pair(g, n_in, n_out, e * t.r * (2 if kind == "gate_up" else 1)) if kind in kinds else []
+
+
+def _lora_pair(g: ParamGroup, n_in: int, n_out: int, r: int) -> list[ParamGroup]:
+    return [ParamGroup(category="adapter", shape=(r, n_in), count=g.count, module=g.module + ".lora_A",
+                       weight_of="Linear", store="fp32"),
+            ParamGroup(category="adapter", shape=(n_out, r), count=g.count, module=g.module + ".lora_B",
+                       weight_of="Linear", store="fp32")]
+
+
 def quantised(spec: ModelSpec, g: ParamGroup) -> bool:
-    """transformers converts nn.Linear and Conv1D layers outside get_keys_to_not_convert's modules."""
-    keep = spec.unquantised
+    """transformers converts nn.Linear and Conv1D layers outside get_keys_to_not_convert's modules and the
+    model's _keep_in_fp32_modules (quantizers_utils.should_convert_module: prefix at a module boundary, or
+    suffix)."""
+    keep = spec.unquantised + KEEP_IN_FP32.get(spec.model_type, ())
     return bool(g.weight_of) and not any(g.module == k or g.module.startswith(k + ".") or g.module.endswith(k)
                                          for k in keep)
 
@@ -149,9 +205,40 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
             out += [renew(g, {"count": k, "trainable": True})] if k else []
             out += [renew(g, {"count": g.count - k, "trainable": False})] if g.count > k else []
             continue
-        train = (not in_block and g.category in ("head", "norms")) or under(g.module, t.modules_to_save)
+        train = (g.category == "head" or final_norm(spec, g) or tied_embedding(spec, g)
+                 or under(g.module, t.modules_to_save))
         out.append(renew(g, {"trainable": train}))
     return tuple(out)
+
+
+def final_norm(spec: ModelSpec, g: ParamGroup) -> bool:
+    """The norm between the stack next to the head and the head: outside the blocks, not the embeddings'
+    LayerNorm (BERT, DistilBERT), and of an encoder-decoder the decoder's (T5's encoder.final_layer_norm
+    feeds the cross-attention, not the head)."""
+    return (g.category == "norms" and "*" not in g.module and "embed" not in g.module
+            and (spec.num_decoder_layers == 0 or g.module.startswith("decoder.")))
+
+
+def tied_embedding(spec: ModelSpec, g: ParamGroup) -> bool:
+    """The input embedding a tied output embedding shares its weight with (transformers ties the
+    tensors: training the head trains it)."""
+    return spec.tie_embeddings and g.category == "embeddings" and g.shape[:1] == (spec.vocab_size,)
+
+
+def tied_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """Modules whose weight is another module's (the tied output embedding, T5's encoder / decoder
+    embed_tokens): get_keys_to_not_convert lists them, the table has no group of theirs (named_parameters
+    yields a tied tensor once)."""
+    own = {g.module for g in spec.params}
+    return tuple(k for k in spec.unquantised if spec.tie_embeddings and k not in own and "*" not in k
+                 and not k.endswith((".bias", ".weight")) and not any(m.startswith(k + ".") for m in own))
+
+
+def _tied_copies(spec: ModelSpec, saved: tuple[str, ...], store: str) -> list[ParamGroup]:
+    """ModulesToSaveWrapper deep-copies a tied module too: the copy owns a tensor of the embedding's shape."""
+    emb = next((g for g in spec.params if tied_embedding(spec, g)), None)
+    return [emb.model_copy(update={"trainable": True, "store": store, "count": 1, "module": k + ".modules_to_save"})
+            for k in tied_modules(spec) if emb is not None and under(k, saved)]
 
 
 def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
@@ -168,12 +255,9 @@ def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
             out.append(renew(g, {"trainable": True, "store": float_store,
                                             "module": g.module + ".modules_to_save"}))
         if adapted(spec, t, g):
-            n_in, n_out = in_out(g)
-            out += [ParamGroup(category="adapter", shape=(t.r, n_in), count=g.count, module=g.module + ".lora_A",
-                               weight_of="Linear", store="fp32"),
-                    ParamGroup(category="adapter", shape=(n_out, t.r), count=g.count, module=g.module + ".lora_B",
-                               weight_of="Linear", store="fp32")]
-    return tuple(out)
+            out += _lora_pair(g, *in_out(g), t.r)
+        out += moe_adapters(spec, t, g)
+    return tuple(out + _tied_copies(spec, saved, float_store))
 
 
 def renew(g: ParamGroup, update: dict) -> ParamGroup:
@@ -193,7 +277,9 @@ def stored_tensors(g: ParamGroup, model_bytes: float) -> list[tuple[float, int]]
     - nf4 / fp4 (bitsandbytes functional.quantize_4bit, blocksize 64): the packed weight, 2 values per
       byte whatever quant_storage's dtype; the 16-entry fp32 code (get_4bit_type makes one per weight);
       absmax fp32 per block of 64, or with double quantisation (compress_statistics) uint8 per block plus
-      its own fp32 absmax per block of 256 and an fp32 offset.
+      its own fp32 absmax per block of 256, an fp32 offset and the 256-entry fp32 dynamic map of the nested
+      state (quantize_blockwise: `code=code.to(A.device, copy=True)`, a copy per weight, not the cached
+      name2qmap tensor).
     - int8 (Int8Params, int8_vectorwise_quant): the int8 weight and one fp32 scale (SCB) per output row."""
     n, c = g.numel, g.count
     if g.store in ("4bit", "4bit-dq"):
@@ -201,7 +287,7 @@ def stored_tensors(g: ParamGroup, model_bytes: float) -> list[tuple[float, int]]
         packed = [(-(-n // 2), c), (NF4_CODE_BYTES, c)]
         if g.store == "4bit":
             return packed + [(FP32 * blocks, c)]
-        return packed + [(blocks, c), (FP32 * -(-blocks // NF4_NESTED_BLOCK), c), (FP32, c)]
+        return packed + [(blocks, c), (FP32 * -(-blocks // NF4_NESTED_BLOCK), c), (FP32, c), (DYNAMIC_CODE_BYTES, c)]
     if g.store == "int8":
         rows = g.shape[0] if g.weight_of != "Conv1D" else g.shape[1]
         return [(n, c), (INT8_SCALE_BYTES * rows, c)]

@@ -1,0 +1,307 @@
+"""The fine-tuning table (src/memplan/estimator/finetune.py) against the real libraries: PEFT's trainable
+count over the catalog (meta device), freeze against requires_grad set by hand, and bitsandbytes' stored
+bytes and transformers' choice of quantised layers on tiny models loaded in 4 and 8 bit on the CPU.
+Versions: peft 0.21.2, transformers 5.23, bitsandbytes 0.50.2 (docs/finetune.md)."""
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.errors import UserError
+from memplan.estimator.finetune import (Tuning, default_targets, linear_names, params_trainable, quantised,
+                                        stored_tensors, tuned_params)
+from memplan.inputs import constraints
+from memplan.inputs.catalog import get_entry, list_models, resolve_model
+from memplan.inputs.profiles import load_gpu
+from memplan.inputs.hf import LAYERS, build_model, module_path, spec_from_config
+from memplan.inputs.workload import Workload
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, TaskType, get_peft_model  # noqa: E402
+
+TASKS = {"sequence-classification": TaskType.SEQ_CLS, "token-classification": TaskType.TOKEN_CLS,
+         "causal-lm": TaskType.CAUSAL_LM, "seq2seq-lm": TaskType.SEQ_2_SEQ_LM}  # images: no task type
+CATALOG = [e.name for e in list_models()]
+# One model per family (two llamas: one with a tied head)
+FAMILIES = ["llama-2-7b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-2b", "mistral-7b", "mixtral-8x7b", "gpt2",
+            "bert-base", "roberta-base", "t5-small", "opt-350m", "pythia-410m", "phi-3-mini", "vit-base",
+            "distilbert-base"]
+# PEFT's time is per adapted layer: each catalog config is cut to 3 blocks (stack and decoder), every module
+# kept; the count is linear in the blocks. FULL_SIZE keeps the catalog's spec and model as they are.
+BLOCKS = 3
+FULL_SIZE = ("llama-2-7b", "gpt2", "bert-base")
+_MODELS: dict[tuple[str, str | None], tuple[nn.Module, str]] = {}
+
+
+def config_of(name: str) -> dict:
+    cfg = dict(get_entry(name).config)
+    if name not in FULL_SIZE:
+        cfg.update({k: BLOCKS for k in (*LAYERS, "num_decoder_layers") if k in cfg})
+        cfg.pop("layer_types", None)
+    return cfg
+
+
+def meta_model(name: str, head: str | None = None) -> tuple[nn.Module, str]:
+    """The real model on the meta device, built once per (model, head) for the whole module."""
+    if (name, head) not in _MODELS:
+        with torch.device("meta"):  # eager: gemma2 has no sdpa
+            _MODELS[(name, head)] = build_model(config_of(name), head or get_entry(name).spec.head, attn="eager")
+    return _MODELS[(name, head)]
+
+
+@functools.lru_cache(maxsize=None)
+def spec_of(name: str, head: str | None = None):
+    if name in FULL_SIZE:
+        return resolve_model(name, head)
+    return spec_from_config(config_of(name), name, head=head or get_entry(name).spec.head)
+
+
+def peft_trainable(name: str, head: str | None = None, **lora) -> int:
+    """get_peft_model(...).get_nb_trainable_parameters()[0] on a copy of the meta model; adapters are
+    created on the meta device too (else PEFT initialises them on the CPU first)."""
+    model, head = meta_model(name, head)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = get_peft_model(copy.deepcopy(model), LoraConfig(task_type=TASKS.get(head), **lora))
+    return pm.get_nb_trainable_parameters()[0]
+
+
+def memplan_trainable(name: str, head: str | None = None, **fields) -> int:
+    return params_trainable(spec_of(name, head), Tuning.of(Workload(method="lora", precision="bf16", **fields)))
+
+
+# -- 1. LoRA: PEFT's trainable count ----------------------------------------------------------------
+@pytest.mark.parametrize("name", CATALOG)
+def test_default_targets_count_or_refusal(name):
+    spec = spec_of(name)
+    if default_targets(spec):
+        assert memplan_trainable(name) == peft_trainable(name)
+        return
+    # PEFT has no default (distilbert, phi3, vit: ValueError) or its default fails (mixtral on transformers
+    # 5: NoMatchingPeftModuleError, a ValueError): memplan refuses through the constraints table
+    with pytest.raises(ValueError):
+        peft_trainable(name)
+    with pytest.raises(UserError, match="no default LoRA target modules"):
+        seq = {"seq_len": spec.seq_positions} if spec.arch == "vision" else {}
+        constraints.check(spec, load_gpu("h100-80g"), Workload(method="lora", precision="bf16", **seq))
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "distilbert-base"])
+def test_all_linear(name):
+    assert memplan_trainable(name, lora_targets=("all-linear",)) == peft_trainable(name, target_modules="all-linear")
+
+
+def test_all_linear_distilbert_classifier_is_refused_by_peft():
+    """PEFT's SEQ_CLS adds modules_to_save "classifier", which (endswith) also wraps pre_classifier, already
+    a LoRA layer under all-linear: get_peft_model raises. memplan has no constraint for it yet."""
+    with pytest.raises(TypeError, match="modules_to_save cannot be applied"):
+        peft_trainable("distilbert-base", target_modules="all-linear")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_explicit_targets_rank_16(name):
+    """Three of the model's own linear names (the LM head included where it is one), r=16."""
+    names = tuple(linear_names(spec_of(name)))[:3]
+    assert memplan_trainable(name, lora_r=16, lora_targets=names) == peft_trainable(name, r=16,
+                                                                                   target_modules=list(names))
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if spec_of(n).head == "causal-lm"])
+def test_modules_to_save_lm_head(name):
+    """A trained copy of the LM head: of the embedding's shape where the head is tied (llama-3.2-1b, gpt2,
+    qwen2.5-0.5b, gemma-2-2b)."""
+    targets = ("all-linear",) if not default_targets(spec_of(name)) else ()
+    peft_targets = {"target_modules": "all-linear"} if targets else {}
+    assert memplan_trainable(name, lora_targets=targets, modules_to_save=("lm_head",)) == peft_trainable(
+        name, modules_to_save=["lm_head"], **peft_targets)
+
+
+@pytest.mark.parametrize("targets", [(), ("query", "key", "value", "dense")])
+def test_token_classification_head(targets):
+    """TOKEN_CLS: PEFT trains a copy of the classifier, and no adapter inside it."""
+    kw = {"target_modules": list(targets)} if targets else {}
+    head = "token-classification"
+    assert memplan_trainable("bert-base", head, lora_targets=targets) == peft_trainable("bert-base", head, **kw)
+
+
+def test_all_linear_token_classifier_is_refused_by_peft():
+    """TOKEN_CLS: all-linear keeps the classifier (PEFT excludes it for SEQ_CLS only), then the task's
+    modules_to_save cannot wrap the LoRA layer: get_peft_model raises. memplan has no constraint for it yet."""
+    with pytest.raises(TypeError, match="modules_to_save cannot be applied"):
+        peft_trainable("bert-base", "token-classification", target_modules="all-linear")
+
+
+def test_mixtral_expert_targets():
+    """v4 expert names on transformers 5's fused experts (w1 + w3 fused: twice the rank; gate: the router)."""
+    names = ("w1", "w3", "w2", "gate", "q_proj")
+    assert memplan_trainable("mixtral-8x7b", lora_targets=names) == peft_trainable(
+        "mixtral-8x7b", target_modules=list(names))
+
+
+# -- 2. freeze: the last K blocks, the head and the final norm --------------------------------------
+def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The stack next to the head: an encoder-decoder's decoder blocks, else the model's one ModuleList of
+    blocks (the largest by parameters)."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    dec = [(n, m) for n, m in lists if n.startswith("decoder.")]
+    return max(dec or lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+
+
+def train_by_hand(model: nn.Module, k: int) -> int:
+    """requires_grad on the last k blocks, the head (every module outside the base model, and its
+    pooler, or the output embedding) and the final norm (a norm child of the stack's parent or of the base model); the trainable
+    count (a tied head trains its embedding: they are one tensor)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    name, stack = block_stack(model)
+    base = model.base_model
+    parent = model.get_submodule(name.rpartition(".")[0])
+    parts = [*stack[-k:], getattr(base, "pooler", None) or nn.Module()]
+    # T5ForConditionalGeneration is its own base model: its head is the output embedding
+    parts += [model.get_output_embeddings()] if base is model else [m for m in model.children() if m is not base]
+    parts += [m for holder in (parent, base) for m in holder.children() if "norm" in type(m).__name__.lower()]
+    for m in parts:
+        m.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_freeze_last_blocks(name):
+    spec = spec_of(name)
+    model, _ = meta_model(name)
+    t = Tuning.of(Workload(method="freeze", trainable_layers=2))
+    table = tuned_params(spec, t)
+    assert sum(g.total for g in table) == spec.params_total == sum(p.numel() for p in model.parameters())
+    assert params_trainable(spec, t) == train_by_hand(model, 2)
+    for p in model.parameters():
+        p.requires_grad_(True)  # the shared model again as built
+
+
+# -- 3. QLoRA: bitsandbytes' bytes, transformers' quantised layers ----------------------------------
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128),
+    "gpt2": dict(model_type="gpt2", n_embd=128, n_layer=2, n_head=4, vocab_size=256, n_positions=128),
+}
+QUANT = {
+    "nf4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
+    "int8": dict(load_in_8bit=True),
+    "nf4-dq-bf16-storage": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_quant_storage=torch.bfloat16),
+}
+STORE = {"nf4-dq": "4bit-dq", "nf4": "4bit", "fp4": "4bit", "int8": "int8", "nf4-dq-bf16-storage": "4bit-dq"}
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """Each tiny model, random, saved once (from_pretrained needs weights on disk; no network)."""
+    transformers = pytest.importorskip("transformers")
+    out = {}
+    for fam, cfg in TINY.items():
+        path = tmp_path_factory.mktemp(fam)
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**cfg)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        out[fam] = path
+    return out
+
+
+def load_quantised(path, quant: str):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**QUANT[quant]),
+                                                    device_map="cpu", dtype=torch.bfloat16)
+
+
+def weight_tensors(w) -> list[torch.Tensor]:
+    """Every tensor a quantised weight holds: the packed or int8 data, its QuantState (absmax, code,
+    offset, state2.absmax, state2.code), Int8Params' CB and SCB."""
+    out = [w.data, getattr(w, "CB", None), getattr(w, "SCB", None)]
+    qs = getattr(w, "quant_state", None)
+    if qs is not None:
+        out += [qs.absmax, qs.code, qs.offset]
+        out += [qs.state2.absmax, qs.state2.code] if qs.state2 is not None else []
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def shared_storages(model) -> set[int]:
+    """Storages held by more than one quantised weight: none (the nested state's dynamic map is copied per
+    weight from bitsandbytes' name2qmap cache, quantize_blockwise `code.to(A.device, copy=True)`; the nf4 /
+    fp4 code comes from get_4bit_type per call), which the test asserts."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if hasattr(m, "weight") and m.weight is not None and type(m.weight).__name__ in ("Params4bit", "Int8Params"):
+            for ptr in {t.untyped_storage().data_ptr() for t in weight_tensors(m.weight)}:
+                seen[ptr] = seen.get(ptr, 0) + 1
+    return {p for p, n in seen.items() if n > 1}
+
+
+def per_weight_bytes(w, shared: set[int]) -> int:
+    """The bytes one quantised weight owns: distinct storages, shared ones out. Int8Params' CB is its data
+    (one storage), SCB its own."""
+    if hasattr(w, "CB"):
+        assert w.CB.untyped_storage().data_ptr() == w.data.untyped_storage().data_ptr()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weight_tensors(w)}
+    return sum(n for p, n in storages.items() if p not in shared)
+
+
+@pytest.mark.parametrize("fam", TINY)
+@pytest.mark.parametrize("quant", QUANT)
+def test_bitsandbytes_bytes_and_layers(saved_tiny, fam, quant):
+    spec = spec_from_config(TINY[fam], f"tiny-{fam}")
+    model = load_quantised(saved_tiny[fam], quant)
+    shared = shared_storages(model)
+    groups = {g.module: g for g in spec.params if g.weight_of}
+    real = {module_path(n) for n, m in model.named_modules()
+            if type(m).__name__ in ("Linear4bit", "Linear8bitLt")}
+    assert real == {g.module for g in groups.values() if quantised(spec, g)}
+    for n, m in model.named_modules():
+        if type(m).__name__ in ("Linear4bit", "Linear8bitLt"):
+            g = groups[module_path(n)].model_copy(update={"store": STORE[quant], "count": 1})
+            assert per_weight_bytes(m.weight, shared) == sum(b * c for b, c in stored_tensors(g, 2)), n
+    assert shared == set()
+
+
+@pytest.mark.parametrize("quant", ["nf4-dq", "int8", "nf4-dq-bf16-storage"])
+def test_prepare_for_kbit_training_stores_floats_in_fp32(saved_tiny, quant):
+    """memplan's "fp32" store for every parameter that is not quantised, whatever quant_storage: PEFT skips
+    Params4bit by class name (a bf16-stored packed weight stays bf16) and casts the rest."""
+    from peft import prepare_model_for_kbit_training
+
+    model = prepare_model_for_kbit_training(load_quantised(saved_tiny["llama"], quant),
+                                            use_gradient_checkpointing=False)
+    kinds = {}
+    for p in model.parameters():
+        kinds.setdefault(type(p).__name__, set()).add(p.dtype)
+    quantised_dtype = {"nf4-dq": torch.uint8, "int8": torch.int8, "nf4-dq-bf16-storage": torch.bfloat16}[quant]
+    assert kinds.pop("Params4bit" if "nf4" in quant else "Int8Params") == {quantised_dtype}
+    assert kinds == {"Parameter": {torch.float32}}
+    spec = spec_from_config(TINY["llama"], "tiny-llama")
+    table = tuned_params(spec, Tuning.of(Workload(method="qlora", precision="bf16",
+                                                  quant="int8" if quant == "int8" else "nf4")))
+    assert {g.store for g in table if not quantised(spec, g)} == {"fp32"}
+
+
+def test_t5_keeps_wo_unquantised(tmp_path):
+    """T5's _keep_in_fp32_modules ("wo") stays out of bitsandbytes, which get_keys_to_not_convert does not say."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(model_type="t5", d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4, vocab_size=128)
+    transformers.T5ForConditionalGeneration(transformers.T5Config(**cfg)).save_pretrained(tmp_path)
+    pytest.importorskip("bitsandbytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.T5ForConditionalGeneration.from_pretrained(
+            tmp_path, quantization_config=transformers.BitsAndBytesConfig(**QUANT["nf4-dq"]), device_map="cpu")
+    spec = spec_from_config(cfg, "tiny-t5")
+    real = {module_path(n) for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
+    assert real == {g.module for g in spec.params if quantised(spec, g)}
+    assert not any(p.endswith(".wo") for p in real)
