@@ -32,7 +32,10 @@ def verify_case(case: dict, gpu_name: str, steps: int, device: str):
     from memplan.verify.run import run
 
     model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
-    work = {k: v for k, v in case.items() if k not in ("model", "fast")}
+    work = {k: v for k, v in case.items() if k not in ("model", "fast", "device")}
+    # a case may name the device it needs: qlora runs on real CPU tensors, not fake ones (docs/verify.md)
+    if device == "fake" and case.get("device"):
+        device = case["device"]
     return run(model=model, gpu=gpu_name, device=device, steps=steps, **work)
 
 
@@ -48,8 +51,12 @@ def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
 
 def label(case: dict) -> str:
     m = Path(case["model"]).stem
+    method = case.get("method", "full")
+    tuning = "" if method == "full" else (f" {method}" + (f" K={case.get('trainable_layers')}" if method == "freeze" else
+                                                        f" r={case.get('lora_r', 8)} {','.join(case.get('lora_targets', ['default']))}"
+                                                        f" {case.get('quant', '') if method == 'qlora' else ''}".rstrip()))
     return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
-            f"{case['optim']} ckpt={case['grad_ckpt']}")
+            f"{case['optim']} ckpt={case['grad_ckpt']}{tuning}")
 
 
 def table(results: list[dict]) -> str:

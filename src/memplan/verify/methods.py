@@ -110,10 +110,12 @@ def quantised_weight(meta_param, value: torch.Tensor):
     Int8Params(value, requires_grad=False, **meta.__dict__ without SCB).to(device). Built around an empty
     tensor and given `value` as data: the same parameter (and _make_subclass refuses a FakeTensor)."""
     kwargs = {k: v for k, v in meta_param.__dict__.items() if k != "SCB"}
+    device = value.device
     with suspend_fake():
         param = type(meta_param)(torch.empty(0, dtype=value.dtype), requires_grad=False, **kwargs)
-    param.data = value
-    return param.to("cpu")  # not yet quantised and leaving the meta device: bnb quantises here
+    # Int8Params quantises when it leaves the CPU (or stays there): Bnb8bitQuantize hands it value.to("cpu")
+    param.data = value.to("cpu") if type(meta_param).__name__ == "Int8Params" else value
+    return param.to(device)  # not yet quantised and leaving the meta device: bnb quantises here
 
 
 def lora_config(w: Workload, head: str):
