@@ -202,12 +202,12 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
         if head_stack:
             per = g.count // blocks
             k = min(t.trainable_layers, blocks) * per
-            out += [renew(g, {"count": k, "trainable": True})] if k else []
-            out += [renew(g, {"count": g.count - k, "trainable": False})] if g.count > k else []
+            out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
+            out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
             continue
         train = (g.category == "head" or final_norm(spec, g) or tied_embedding(spec, g)
                  or under(g.module, t.modules_to_save))
-        out.append(renew(g, {"trainable": train}))
+        out.append(g.model_copy(update={"trainable": train}))
     return tuple(out)
 
 
@@ -250,19 +250,14 @@ def _with_adapters(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
     out: list[ParamGroup] = []
     for g in spec.params:
         store = quant_store if t.method == "qlora" and quantised(spec, g) else float_store
-        out.append(renew(g, {"trainable": False, "store": store}))
+        out.append(g.model_copy(update={"trainable": False, "store": store}))
         if under(g.module, saved):
-            out.append(renew(g, {"trainable": True, "store": float_store,
+            out.append(g.model_copy(update={"trainable": True, "store": float_store,
                                             "module": g.module + ".modules_to_save"}))
         if adapted(spec, t, g):
             out += _lora_pair(g, *in_out(g), t.r)
         out += moe_adapters(spec, t, g)
     return tuple(out + _tied_copies(spec, saved, float_store))
-
-
-def renew(g: ParamGroup, update: dict) -> ParamGroup:
-    """A changed copy of a group, built anew: model_copy would carry the cached numel and total over."""
-    return ParamGroup(**(g.model_dump() | update))
 
 
 def params_trainable(spec: ModelSpec, t: Tuning) -> int:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
-from memplan.estimator.finetune import FULL, Tuning, element_bytes, renew, stored_tensors, tuned_params
+from memplan.estimator.finetune import FULL, Tuning, element_bytes, stored_tensors, tied_embedding, tuned_params
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import (
     FP32, HALF, OPTIMIZERS, PAGED_MIN_NUMEL, PRECISIONS, Precision, optimizer_state_bytes,
@@ -141,12 +141,12 @@ def stage_states(k: StatesKey) -> StageStates:
     enc, dec = stage_layers(spec, k.pp, k.stage)
     if half_model(k):
         z = _sharded(k, groups)
-        tied = _tied(spec, k, groups)
+        tied, tied_cast = _tied(spec, k, groups, prec)
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
         temp, grads_persistent, adapters, constants, managed = z.step_transient, z.grads_persistent, 0, 0, 0
         persistent = [(weights, 1), (grads, 1), (states, 1), (comm, 1), (gathered, 1), (temp, 1)]
-        copies = autocast_copies(groups, tied, prec) if prec.autocast else (0, 0, 0)
+        copies = autocast_copies(groups, tied_cast, prec) if prec.autocast else (0, 0, 0)
         return StageStates(weights, adapters, constants, grads, states, managed, temp, comm, gathered, cpu,
                            grads_persistent, tied, *copies, _head_grads(groups, tied, prec.grad),
                            segments_of(persistent), numel(list(groups)), enc, dec, enc, dec)
@@ -158,18 +158,20 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     states for the trained ones only."""
     prec, rule = train_precision(k), OPTIMIZERS[k.optim]
     trainable = tuple(g for g in groups if g.trainable)
-    tied = _tied(spec := k.spec, k, groups)
-    weights = sum(round_block(b) * c for g in groups for b, c in stored_tensors(g, prec.param))
-    adapters = sum(round_block(b) * c for g in groups if g.trainable and k.tuning.adapters
-                   for b, c in stored_tensors(g, prec.param))
-    constants = sum(round_block(b) * c for g in groups for b, c in stored_tensors(g, prec.param)[1:])
+    spec = k.spec
+    tied, tied_cast = _tied(spec, k, groups, prec)
+    # per group: its data tensor's bytes and the rest's (quantisation constants), as the allocator rounds them
+    stored = [[round_block(b) * c for b, c in stored_tensors(g, prec.param)] for g in groups]
+    weights = sum(map(sum, stored))
+    adapters = sum(sum(b) for g, b in zip(groups, stored) if g.trainable and k.tuning.adapters)
+    constants = sum(sum(b[1:]) for b in stored)
     grads = rounded(trainable, lambda g: g.numel * element_bytes(g, prec.grad))
     state = [round_block(optimizer_state_bytes(rule, g.shape, element_bytes(g, prec.param), k.momentum)) * g.count
              for g in trainable]
     states = sum(state)
     managed = sum(v for g, v in zip(trainable, state) if paged(rule, g))
     comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
-    copies = autocast_copies(groups, _tied_copy(spec, k, groups, prec), prec) if prec.autocast else (0, 0, 0)
+    copies = autocast_copies(groups, tied_cast, prec) if prec.autocast else (0, 0, 0)
     g_enc, g_dec = _grad_layers(spec, k.tuning, enc, dec)
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
@@ -187,23 +189,20 @@ def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, i
     return min(t.trainable_layers, enc), dec
 
 
-def _tied_copy(spec: ModelSpec, k: StatesKey, groups, prec: Precision) -> int:
-    """Elements of the tied LM head matrix that autocast casts for the head's matmul (an fp32 one)."""
+def _tied(spec: ModelSpec, k: StatesKey, groups, prec: Precision) -> tuple[int, int]:
+    """(trained, autocast-cast) elements of the tied LM head matrix on this stage: trained, its gradients
+    are summed at the end of backward; stored fp32 under autocast, the head's matmul casts it. Full
+    fine-tuning trains it in the model's width; a method's table says how it is stored and whether trained
+    (a method runs without TP or PP: constraints.py)."""
     if not (tied_head(spec) and k.stage == k.pp - 1 and k.pp == 1):
-        return 0
-    fp32 = any(g.category == "embeddings" and g.shape[:1] == (spec.vocab_size,)
-               and element_bytes(g, prec.param) == FP32 for g in groups)
-    return -(-spec.vocab_size // k.tp) * spec.hidden_size if fp32 else 0
-
-
-def _tied(spec: ModelSpec, k: StatesKey, groups) -> int:
-    """Elements of the tied LM head matrix on this stage when it is trained (its gradients are summed at
-    the end of backward), else 0."""
-    if not (tied_head(spec) and k.stage == k.pp - 1 and k.pp == 1):
-        return 0
-    trained = any(g.trainable and g.category == "embeddings" and g.shape[:1] == (spec.vocab_size,)
-                  for g in groups) or k.tuning.method == "full"
-    return -(-spec.vocab_size // k.tp) * spec.hidden_size if trained else 0
+        return 0, 0
+    n = -(-spec.vocab_size // k.tp) * spec.hidden_size
+    if k.tuning.method == "full":
+        return n, n * (prec.param == FP32)
+    g = next((g for g in groups if tied_embedding(spec, g)), None)
+    if g is None:
+        return 0, 0
+    return n * g.trainable, n * (element_bytes(g, prec.param) == FP32)
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -265,7 +264,7 @@ def by_shape(groups) -> list[ParamGroup]:
     merged: dict[tuple, ParamGroup] = {}
     for g in groups:
         key = (g.category, g.shape, g.trainable, g.store)
-        merged[key] = renew(g, {"count": merged[key].count + g.count}) if key in merged else g
+        merged[key] = g.model_copy(update={"count": merged[key].count + g.count}) if key in merged else g
     return list(merged.values())
 
 

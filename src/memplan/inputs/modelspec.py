@@ -29,7 +29,20 @@ Store = Literal["model", "fp32", "half", "4bit", "4bit-dq", "int8"]
 Arch = Literal["encoder", "decoder", "encoder-decoder", "vision"]
 
 
-class ParamGroup(BaseModel):
+class Derived(BaseModel):
+    """A frozen model whose cached_property values are derived from its fields: a copy with changed fields
+    must derive them again (pydantic's model_copy copies __dict__, where the cached values live)."""
+
+    def model_copy(self, *, update=None, deep: bool = False):
+        copy = super().model_copy(update=update, deep=deep)
+        for cls in type(self).__mro__:
+            for name, attr in vars(cls).items():
+                if isinstance(attr, cached_property):
+                    copy.__dict__.pop(name, None)
+        return copy
+
+
+class ParamGroup(Derived):
     """`count` parameter tensors of one shape and category, owned by modules of one path."""
 
     model_config = ConfigDict(frozen=True)
@@ -58,7 +71,7 @@ class ParamGroup(BaseModel):
         return self.numel * self.count
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Derived):
     """What the estimator needs to know about a model; field names follow transformers' configs."""
 
     model_config = ConfigDict(frozen=True)
