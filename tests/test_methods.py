@@ -77,3 +77,14 @@ def test_cli_method_options(memplan_cli):
     assert '"method": "qlora"' in out.stdout
     bad = memplan_cli("estimate", "--model", "phi-3-mini", "--gpu", "a100-80g", "--method", "lora")
     assert bad.returncode == 2 and "no default LoRA target" in bad.stderr
+
+
+def test_modules_to_save_names_a_tied_head():
+    """A tied lm_head has no parameter of its own in the table, but PEFT wraps it and trains a copy of the
+    embedding matrix (tests/test_finetune.py checks the count against PEFT)."""
+    e = api.estimate("llama-3.2-1b", "a100-80g", micro_batch=1, seq_len=256, precision="bf16", method="lora",
+                     modules_to_save="lm_head")
+    lora = 16 * (2048 + 2048 + 2048 + 512) * 8  # r8 on q_proj (2048 -> 2048) and v_proj (2048 -> 512)
+    assert e.model.params_trainable == 128256 * 2048 + lora
+    with pytest.raises(UserError, match="no module of llama-3.2-1b is named 'lm_heads'"):
+        api.estimate("llama-3.2-1b", "a100-80g", method="lora", modules_to_save="lm_heads")

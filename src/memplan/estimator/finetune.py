@@ -234,6 +234,12 @@ def tied_modules(spec: ModelSpec) -> tuple[str, ...]:
                  and not k.endswith((".bias", ".weight")) and not any(m.startswith(k + ".") for m in own))
 
 
+def has_module(spec: ModelSpec, name: str) -> bool:
+    """Some module of the model ends with `name` (modules_to_save's test): a group's, or a tied module's,
+    which has no group of its own."""
+    return any(under(path, (name,)) for path in [g.module for g in spec.params] + list(tied_modules(spec)))
+
+
 def _tied_copies(spec: ModelSpec, saved: tuple[str, ...], store: str) -> list[ParamGroup]:
     """ModulesToSaveWrapper deep-copies a tied module too: the copy owns a tensor of the embedding's shape."""
     emb = next((g for g in spec.params if tied_embedding(spec, g)), None)

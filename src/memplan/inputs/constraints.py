@@ -22,7 +22,7 @@ from pydantic import AfterValidator
 
 from memplan.errors import UserError
 from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
-from memplan.estimator.finetune import ALL_LINEAR, default_targets, linear_names, matches, under
+from memplan.estimator.finetune import ALL_LINEAR, default_targets, has_module, linear_names, matches
 from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
 if TYPE_CHECKING:
@@ -340,9 +340,9 @@ TABLE: tuple[Constraint, ...] = (
                        f"(its linear modules: {', '.join(linear_names(m))}, or all-linear)",
        {"method": "lora", "lora_targets": ("nonexistent",)}),
     _c("modules-to-save-exist", "model", "method modules_to_save",
-       lambda w, m, g: any(not any(under(p.module, (n,)) for p in m.params) for n in w.modules_to_save),
+       lambda w, m, g: any(not has_module(m, n) for n in w.modules_to_save),
        lambda w, m, g: f"--modules-to-save: no module of {m.name} is named "
-                       f"{next(n for n in w.modules_to_save if not any(under(p.module, (n,)) for p in m.params))!r}",
+                       f"{next(n for n in w.modules_to_save if not has_module(m, n))!r}",
        {"method": "lora", "modules_to_save": ("nonexistent",)}),
     _c("trainable-layers-within-model", "model", "trainable_layers",
        lambda w, m, g: w.trainable_layers is not None and w.trainable_layers > (m.num_decoder_layers or m.num_layers),
