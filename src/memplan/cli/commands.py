@@ -71,7 +71,8 @@ def common_options(f, required: bool = True):
 def method_options(search: bool):
     """The fine-tuning method's options (docs/finetune.md), passed on as one `tuning` dict of the
     Workload fields the user set."""
-    many = ", a comma list, or 'any' (full, lora, qlora) [default: full; suggest says what LoRA / QLoRA allow]"
+    many = (", a comma list, or 'any' (full, lora, qlora; freeze too with --trainable-layers) [default: full; "
+            "suggest says what LoRA / QLoRA allow]")
     opts = [
         click.option("--method", help="full, lora, qlora, freeze" + (many if search else " [default: full]")),
         click.option("--lora-r", type=int, help="LoRA rank (peft.LoraConfig r) [default: 8]"),

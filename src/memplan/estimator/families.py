@@ -70,9 +70,13 @@ class Family:
     selective: bool = False
 
     # -- fine-tuning (estimator/finetune.py) -----------------------------------------------------------------
-    # PEFT's default LoRA target_modules for the model type (peft 0.21, utils/constants.py
-    # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); (): PEFT has none and asks for target_modules
+    # The LoRA target_modules PEFT applies by default for the model type (peft 0.21, utils/constants.py
+    # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); (): none, PEFT asks for target_modules
     lora_targets: tuple[str, ...] = ()
+    # PEFT's LoRA on transformers 5's fused MoE parameters (peft utils/transformers_weight_conversion.py
+    # _MOE_TARGET_MODULE_MAPPING, _MOE_FUSED_TARGETS): (a v4 module name a target list may give, the fused
+    # tensor it adapts: "router", "gate_up" (w1 and w3 fused, adapted at twice the rank) or "down")
+    lora_fused_experts: tuple[tuple[str, str], ...] = ()
 
     @property
     def kernels(self) -> bool:
@@ -105,7 +109,12 @@ FAMILIES: dict[str, Family] = {
                  softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",), selective=True),
     "llama": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     "mistral": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
-    "mixtral": Family(**_ROTARY_GATED, lora_targets=_QV),
+    # PEFT lists q_proj, v_proj for mixtral but, on transformers 5, converts the config for the fused MoE
+    # first (transformers_weight_conversion.py _convert_peft_config_moe turns target_modules=None into an
+    # empty set), so the default is never applied and get_peft_model raises "No `target_modules` passed"
+    # (tests/test_finetune.py checks it still does)
+    "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
+                                                           ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config

@@ -26,12 +26,12 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from memplan.estimator.families import family
-from memplan.estimator.rules import FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK
+from memplan.estimator.rules import (
+    DYNAMIC_CODE_BYTES, FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK,
+)
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 ALL_LINEAR = "all-linear"
-# bitsandbytes functional.create_dynamic_map: 256 fp32 entries, the code of double quantisation's state2
-DYNAMIC_CODE_BYTES = 256 * FP32
 # PEFT's task types add the classification head to modules_to_save (peft/peft_model.py,
 # PeftModelForSequenceClassification / ForTokenClassification: classifier_module_names)
 TASK_MODULES_TO_SAVE = {"sequence-classification": ("classifier", "score"),
@@ -67,25 +67,9 @@ class Tuning(NamedTuple):
 FULL = Tuning("full", False, 0, (), (), "nf4", True, 0)
 
 
-# PEFT 0.21.2 lists Mixtral's default targets (utils/constants.py) but, on transformers 5, converts the
-# config for the fused MoE first (utils/transformers_weight_conversion.py _convert_peft_config_moe turns
-# target_modules=None into an empty set), so _prepare_adapter_config never applies the default and
-# inject_adapter raises "No `target_modules` passed": tests/test_finetune.py checks it still does.
-DEFAULT_FAILS = frozenset({"mixtral"})
-# PEFT's LoRA on transformers 5's fused MoE parameters (utils/transformers_weight_conversion.py
-# _MOE_TARGET_MODULE_MAPPING, _MOE_FUSED_TARGETS): the v4 names a target list (or all-linear) may give and
-# the parameter each now adapts; w1 and w3 are fused into gate_up_proj, adapted at twice the rank.
-MOE_TARGETS = {"mixtral": {"gate": "router", "w1": "gate_up", "w3": "gate_up", "w2": "down"}}
-# transformers keeps a model's _keep_in_fp32_modules out of bitsandbytes (quantizers/quantizer_bnb_4bit.py
-# and quantizer_bnb_8bit.py pass model._keep_in_fp32_modules to replace_with_bnb_linear):
-# models/t5/modeling_t5.py `_keep_in_fp32_modules = ["wo"]`. get_keys_to_not_convert (spec.unquantised)
-# does not list them.
-KEEP_IN_FP32 = {"t5": ("wo",)}
-
-
 def default_targets(spec: ModelSpec) -> tuple[str, ...]:
-    """PEFT's default target_modules for the model type; () where PEFT has none (or its default fails)."""
-    return () if spec.model_type in DEFAULT_FAILS else family(spec.model_type).lora_targets
+    """The target_modules PEFT applies by default for the model type; () where it applies none."""
+    return family(spec.model_type).lora_targets
 
 
 def targets_of(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
@@ -138,7 +122,7 @@ def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
 
 def moe_targets(spec: ModelSpec, t: Tuning) -> set[str]:
     """The fused MoE parameters ("router", "gate_up", "down") PEFT adapts for these targets."""
-    table = MOE_TARGETS.get(spec.model_type, {})
+    table = dict(family(spec.model_type).lora_fused_experts)
     names = targets_of(spec, t)
     return set(table.values()) if names == (ALL_LINEAR,) else {table[n] for n in names if n in table}
 
@@ -167,7 +151,7 @@ def quantised(spec: ModelSpec, g: ParamGroup) -> bool:
     """transformers converts nn.Linear and Conv1D layers outside get_keys_to_not_convert's modules and the
     model's _keep_in_fp32_modules (quantizers_utils.should_convert_module: prefix at a module boundary, or
     suffix)."""
-    keep = spec.unquantised + KEEP_IN_FP32.get(spec.model_type, ())
+    keep = spec.unquantised
     return bool(g.weight_of) and not any(g.module == k or g.module.startswith(k + ".") or g.module.endswith(k)
                                          for k in keep)
 

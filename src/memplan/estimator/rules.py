@@ -98,10 +98,13 @@ INFER_PRECISIONS = tuple(WEIGHT_FORMATS)
 # bitsandbytes 0.50 training formats (functional.py quantize_4bit / quantize_blockwise, nn/modules.py
 # Int8Params; estimator/finetune.py stored_tensors): 4-bit blocks of 64 values share one absmax; double
 # quantisation stores those absmax in 8 bit with one fp32 absmax per 256 of them; get_4bit_type's code is
-# 16 fp32 values per weight; LLM.int8 keeps one fp32 scale per output row (SCB).
+# 16 fp32 values per weight, and double quantisation keeps a 256-entry one per weight too; LLM.int8 keeps one fp32 scale per output row (SCB).
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
 NF4_CODE_BYTES = 16 * 4
+# the 256-entry fp32 dynamic map of the nested state (functional.create_dynamic_map), copied per weight by
+# quantize_blockwise (code.to(A.device, copy=True))
+DYNAMIC_CODE_BYTES = 256 * 4
 INT8_SCALE_BYTES = 4
 
 # -- optimizers -----------------------------------------------------------------------------------

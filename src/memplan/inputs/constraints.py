@@ -270,7 +270,7 @@ TABLE: tuple[Constraint, ...] = (
        {"precision": "bf16"}, gpu="v100-16g"),
     _c("compute-dtype-bf16-needs-sm80", "gpu", "compute_dtype",
        lambda w, m, g: w.compute_dtype == "bf16" and not g.bf16,
-       lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16: --compute-dtype fp16", 
+       lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16: --compute-dtype fp16",
        {"method": "qlora", "precision": "fp16", "compute_dtype": "bf16"}, gpu="v100-16g"),
     _c("flash-needs-sm80", "gpu", "attn",
        lambda w, m, g: w.attn == "flash" and not g.flash_attention,
@@ -330,7 +330,7 @@ TABLE: tuple[Constraint, ...] = (
        {"seq_len": 2048}),
     _c("lora-default-targets", "model", "method lora_targets",
        lambda w, m, g: w.method in ("lora", "qlora") and not w.lora_targets and not default_targets(m),
-       lambda w, m, g: f"PEFT has no default LoRA target modules for {m.model_type}: name them with --lora-targets "
+       lambda w, m, g: f"PEFT applies no default LoRA target modules for {m.model_type}: name them with --lora-targets "
                        f"(module names such as {', '.join(linear_names(m)[:4])}, or all-linear)",
        {"method": "lora"}, model="phi-3-mini"),
     _c("lora-targets-exist", "model", "method lora_targets",

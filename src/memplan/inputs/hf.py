@@ -210,10 +210,13 @@ def _param_table(model) -> tuple[ParamGroup, ...]:
 
 
 def _unquantised(model) -> tuple[str, ...]:
-    """transformers' own list of the modules its bitsandbytes loading keeps in float, as module paths."""
-    from transformers.quantizers.base import get_keys_to_not_convert
+    """transformers' own list of the modules its bitsandbytes loading keeps in float, as module paths: the
+    quantizers pass get_keys_to_not_convert's keys and the model's _keep_in_fp32_modules
+    (quantizers/quantizer_bnb_4bit.py, HfQuantizer.get_modules_to_not_convert)."""
+    from transformers.quantizers.base import HfQuantizer
 
-    return tuple(sorted(module_path(k) for k in get_keys_to_not_convert(model)))
+    keys = HfQuantizer.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
+    return tuple(sorted(module_path(k) for k in keys))
 
 
 def module_path(name: str) -> str:

@@ -107,7 +107,8 @@ class ModelSpec(Derived):
     final_logit_softcapping: float | None = None
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
     # Modules transformers leaves unquantised when it loads the model in 4 or 8 bit (the output embedding,
-    # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert)
+    # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert;
+    # and the model's _keep_in_fp32_modules, e.g. T5's wo)
     unquantised: tuple[str, ...] = ()
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked

@@ -32,8 +32,12 @@ def module_names(v) -> tuple[str, ...]:
     return names
 
 
-METHOD_KNOBS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "modules_to_save", "quant", "double_quant",
-                "compute_dtype", "quant_storage", "trainable_layers")
+LORA_KNOBS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "modules_to_save")
+QUANT_KNOBS = ("quant", "double_quant", "compute_dtype", "quant_storage")
+# The method fields each method reads; the others keep their defaults (constraints.py refuses them set).
+KNOBS_OF = {"full": (), "lora": LORA_KNOBS, "qlora": LORA_KNOBS + QUANT_KNOBS,
+            "freeze": ("modules_to_save", "trainable_layers")}
+METHOD_KNOBS = LORA_KNOBS + QUANT_KNOBS + ("trainable_layers",)
 
 
 class Workload(BaseModel):

@@ -10,7 +10,7 @@ from memplan.errors import UserError, validation_line
 from memplan.inputs.constraints import bounded
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
-from memplan.inputs.workload import METHOD_KNOBS, Workload, module_names
+from memplan.inputs.workload import KNOBS_OF, METHOD_KNOBS, Workload, module_names
 
 OBJECTIVES = ("throughput", "min-gpus", "headroom")
 # the request's fields whose CLI option has another name
@@ -81,7 +81,7 @@ class SearchRequest(BaseModel):
             if "," not in named and named != "any":  # one method: its knobs as the user gave them
                 Workload(**self.common(), method=named, **{k: getattr(self, k) for k in METHOD_KNOBS})
             elif self.train:
-                for m in ("lora", "qlora") + (("freeze",) if self.trainable_layers is not None else ()):
+                for m in KNOBS_OF.keys() - {"full"} - ({"freeze"} if self.trainable_layers is None else set()):
                     Workload(**self.common(), **self.tuning(m))
         except ValidationError as e:
             raise ValueError(validation_line(e, options=True, renamed=OPTION_NAMES)) from None
@@ -105,16 +105,7 @@ class SearchRequest(BaseModel):
                     net_gbs=self.net_gbs)
 
     def tuning(self, method: str) -> dict[str, Any]:
-        """The Workload's method fields for one method: the user's knobs where the method reads them."""
-        adapters = method in ("lora", "qlora")
-        out: dict[str, Any] = dict(method=method, modules_to_save=self.modules_to_save if method != "full" else ())
-        if adapters:
-            out |= dict(lora_r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                        lora_targets=self.lora_targets)
-        if method == "qlora":
-            out |= dict(quant=self.quant, double_quant=self.double_quant, compute_dtype=self.compute_dtype,
-                        quant_storage=self.quant_storage)
-        if method == "freeze":
-            out["trainable_layers"] = self.trainable_layers
-        return out
-
+        """The Workload's method fields for one method: the user's knobs where the method reads them
+        (workload.KNOBS_OF), the Workload's defaults elsewhere."""
+        return {"method": method} | {k: getattr(self, k) if k in KNOBS_OF[method] else Workload.model_fields[k].default
+                                     for k in METHOD_KNOBS}

@@ -4,7 +4,7 @@ layouts over the GPUs, and every candidate of a layout that the constraints tabl
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from memplan.errors import UserError
 from memplan.estimator.rules import OPTIMIZERS
@@ -13,7 +13,7 @@ from memplan.inputs import constraints, defaults as chosen
 from memplan.inputs.defaults import precision as best_mixed_precision, seq_len as default_seq_len
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
-from memplan.inputs.workload import ATTN_ALIASES, Workload, canonical_optim
+from memplan.inputs.workload import ATTN_ALIASES, METHOD_KNOBS, Workload, canonical_optim
 from memplan.search.request import SearchRequest
 
 ATTNS = ("flash", "sdpa", "eager", "memplan")
@@ -28,7 +28,6 @@ KNOBS = {"precision": "precisions", "optim": "optims", "grad_ckpt": "ckpts", "at
          "zero": "zeros", "offload": "offloads", "sp": "sps", "vpp": "vpps", "fsdp": "fsdps", "kernels": "kernels",
          "tiled_mlp": "tiled", "method": "methods"}
 METHODS = ("full", "lora", "qlora", "freeze")
-METHODS_ANY = ("full", "lora", "qlora")  # freeze needs --trainable-layers: searched when named
 
 
 class Space(NamedTuple):
@@ -63,6 +62,11 @@ def supported_precisions(spec: ModelSpec, gpu: GPUProfile, task: str) -> list[st
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def methods_any(req: SearchRequest) -> list[str]:
+    """--method any: full, lora, qlora, and freeze where --trainable-layers says how many blocks it trains."""
+    return ["full", "lora", "qlora"] + (["freeze"] if req.trainable_layers is not None else [])
 
 
 def _parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x,
@@ -152,8 +156,7 @@ def _values(req: SearchRequest) -> Space:
                             "fsdp"),
         kernels=[chosen.KERNELS] if req.kernels is None else [req.kernels],
         tiled=[chosen.TILED_MLP] if req.tiled_mlp is None else [req.tiled_mlp],
-        methods=_parse_choice(req.method, METHODS, list(METHODS_ANY) if train else ["full"], "method")
-        if req.method is not None else ["full"],
+        methods=_parse_choice(req.method, methods_any(req) if train else ["full"], ["full"], "method", known=METHODS),
     )
 
 
@@ -192,13 +195,6 @@ def shardings(sp: Space, dp: int) -> list[tuple[int, str]]:
     return out
 
 
-def _method_fields(req: SearchRequest) -> list[tuple[str, Any]]:
-    """The Workload's method fields and their values when a method does not read them (its defaults)."""
-    return [(f, Workload.model_fields[f].default) for f in ("method", "modules_to_save", "lora_r", "lora_alpha",
-                                                               "lora_dropout", "lora_targets", "quant", "double_quant",
-                                                               "compute_dtype", "quant_storage", "trainable_layers")]
-
-
 def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Workload]:
     """Every setting of the knobs other than the micro batch that the constraints allow, on one layout
     (micro batch 1, the whole per-rank batch accumulated)."""
@@ -214,8 +210,7 @@ def bases(req: SearchRequest, sp: Space, tp: int, pp: int, dp: int) -> list[Work
             ("vpp", where_possible("vpp", sp.vpps, 1)), ("precision", sp.precisions), ("optim", sp.optims),
             ("grad_ckpt", sp.ckpts), ("attn", sp.attns), ("kernels", where_possible("kernels", sp.kernels, False)),
             ("tiled_mlp", where_possible("tiled_mlp", sp.tiled, False)),
-            (tuple(f for f, _ in _method_fields(req)),
-             [tuple(req.tuning(m).get(f, default) for f, default in _method_fields(req)) for m in sp.methods])]
+            (("method",) + METHOD_KNOBS, [tuple(req.tuning(m).values()) for m in sp.methods])]
     # every entry of the constraints table has passed on each assignment, and the values come from the
     # space's canonical lists: validating each again would repeat the same table (a third of a search)
     template = Workload.model_construct(**fixed)

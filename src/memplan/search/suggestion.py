@@ -22,7 +22,6 @@ import gc
 import time
 from typing import Any, NamedTuple
 
-from memplan.errors import UserError
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -228,10 +227,7 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
         return [], 0
     best, out, n = (found[0] if found else None), [], 0
     for method in ("lora", "qlora"):
-        try:
-            cands, m, _ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
-        except UserError:  # the model has no default LoRA targets: the constraint's message is for estimate
-            continue
+        cands, m, _ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
         n += m
         if not cands or (best is not None and max(c.mb for c in cands) <= best.mb):
             continue
