@@ -24,7 +24,8 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, TaskType, get_peft_model  # noqa: E402
 
 TASKS = {"sequence-classification": TaskType.SEQ_CLS, "token-classification": TaskType.TOKEN_CLS,
-         "causal-lm": TaskType.CAUSAL_LM, "seq2seq-lm": TaskType.SEQ_2_SEQ_LM}  # images: no task type
+         "causal-lm": TaskType.CAUSAL_LM, "seq2seq-lm": TaskType.SEQ_2_SEQ_LM,
+         "question-answering": TaskType.QUESTION_ANS}  # images: no task type
 CATALOG = [e.name for e in list_models()]
 # One model per family (two llamas: one with a tied head)
 FAMILIES = ["llama-2-7b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-2b", "mistral-7b", "mixtral-8x7b", "gpt2",
@@ -126,6 +127,12 @@ def test_token_classification_head(targets):
     kw = {"target_modules": list(targets)} if targets else {}
     head = "token-classification"
     assert memplan_trainable("bert-base", head, lora_targets=targets) == peft_trainable("bert-base", head, **kw)
+
+
+def test_question_answering_head():
+    """QUESTION_ANS: PEFT trains a copy of qa_outputs beside the adapters."""
+    head = "question-answering"
+    assert memplan_trainable("bert-base", head) == peft_trainable("bert-base", head)
 
 
 def test_all_linear_token_classifier_is_refused_by_peft():

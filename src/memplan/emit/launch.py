@@ -7,7 +7,9 @@ from __future__ import annotations
 import shlex
 
 from memplan.emit.common import ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LORA_CONFIG, TRAIN_PY, uses_deepspeed
-from memplan.emit.finetune import adapters, freeze_section, half_dtype
+from memplan.emit.finetune import adapters, freeze_section
+from memplan.estimator.finetune import load_dtype
+from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.hf import HEADS
 from memplan.inputs.modelspec import ModelSpec
 
@@ -15,12 +17,6 @@ from memplan.inputs.modelspec import ModelSpec
 # _check_and_adjust_attn_implementation). memplan's tiled attention is installed over sdpa by
 # memplan.kernels.apply(attention=True), which sets the model's implementation to "memplan".
 ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2", "memplan": "sdpa"}
-# The dtype the weights load in. transformers 5.23 from_pretrained defaults to dtype="auto", the
-# checkpoint's own (modeling_utils.py), which would load bf16 weights where an autocast plan counted fp32
-# master weights; so the dtype is always explicit: bfloat16 only for pure bf16 training.
-LOAD_DTYPE = {"bf16-pure": "bfloat16", "fp32": "float32", "fp16": "float32", "bf16": "float32"}
-# LoRA and QLoRA load the frozen base in the precision's half type (fp32 under fp32), as memplan counts it
-# (estimator/finetune.py Tuning.half_load); TrainingArguments' bf16 / fp16 then autocast over it.
 
 # What a plan may hold that no emitted file expresses: (setting, whether the plan uses it, why).
 NOT_EXPRESSED = (
@@ -37,9 +33,11 @@ NOT_EXPRESSED = (
 
 
 def model_kwargs(plan) -> dict:
-    """Keyword arguments for from_pretrained / from_config."""
-    dtype = half_dtype(plan.precision) if adapters(plan) else LOAD_DTYPE[plan.precision]
-    return {"attn_implementation": ATTN_IMPLEMENTATION[plan.attn], "dtype": dtype}
+    """Keyword arguments for from_pretrained / from_config. The dtype is always explicit: transformers 5.23
+    from_pretrained defaults to dtype="auto", the checkpoint's own (modeling_utils.py), which would load bf16
+    weights where an autocast plan counted fp32 master weights; memplan's load dtype
+    (estimator/finetune.py load_dtype) is fp32 but for pure bf16 training and LoRA / QLoRA's half base."""
+    return {"attn_implementation": ATTN_IMPLEMENTATION[plan.attn], "dtype": DTYPE_NAMES[load_dtype(plan.workload)]}
 
 
 def kernels(plan) -> dict | None:

@@ -27,15 +27,20 @@ from typing import NamedTuple
 
 from memplan.estimator.families import family
 from memplan.estimator.rules import (
-    DYNAMIC_CODE_BYTES, FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK,
+    DYNAMIC_CODE_BYTES, FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK, PRECISIONS,
 )
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 ALL_LINEAR = "all-linear"
-# PEFT's task types add the classification head to modules_to_save (peft/peft_model.py,
-# PeftModelForSequenceClassification / ForTokenClassification: classifier_module_names)
-TASK_MODULES_TO_SAVE = {"sequence-classification": ("classifier", "score"),
-                        "token-classification": ("classifier", "score")}
+# PEFT's task type per memplan head, and the modules its PeftModel class adds to modules_to_save (peft
+# 0.21 peft_model.py: PeftModelForSequenceClassification / ForTokenClassification classifier_module_names,
+# ForQuestionAnswering qa_module_names). The emitted lora_config.json and verify pass the same task type.
+PEFT_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "causal-lm": ("CAUSAL_LM", ()), "seq2seq-lm": ("SEQ_2_SEQ_LM", ()),
+    "sequence-classification": ("SEQ_CLS", ("classifier", "score")),
+    "token-classification": ("TOKEN_CLS", ("classifier", "score")),
+    "question-answering": ("QUESTION_ANS", ("qa_outputs",)),
+}
 # Linears that read an inner tensor of their block (the attention context, the MLP intermediate), not the
 # block's normed input: their LoRA input is not shared with the q / k / v or up projections.
 OUTPUT_PROJECTIONS = frozenset({"o_proj", "out_proj", "o", "out_lin", "c_proj", "dense", "wo", "down_proj", "fc2",
@@ -56,7 +61,7 @@ class Tuning(NamedTuple):
 
     @classmethod
     def of(cls, w) -> "Tuning":
-        return cls(w.method, w.precision != "fp32", w.lora_r, w.lora_targets, w.modules_to_save, w.quant,
+        return cls(w.method, load_dtype(w) != "fp32", w.lora_r, w.lora_targets, w.modules_to_save, w.quant,
                    w.double_quant, w.trainable_layers or 0)
 
     @property
@@ -65,6 +70,21 @@ class Tuning(NamedTuple):
 
 
 FULL = Tuning("full", False, 0, (), (), "nf4", True, 0)
+
+
+def load_dtype(w) -> str:
+    """The dtype the model's weights load in ("fp32", "fp16", "bf16"): LoRA and QLoRA load the frozen base in
+    the precision's half type (fp32 under fp32); full fine-tuning and freeze hold fp32 weights (autocast makes
+    the half copies), except pure bf16 training."""
+    half = PRECISIONS[w.precision].half
+    if w.method in ("lora", "qlora"):
+        return half or "fp32"
+    return "bf16" if w.precision == "bf16-pure" else "fp32"
+
+
+def compute_dtype(w) -> str:
+    """bnb_4bit_compute_dtype: the user's, or ("auto") the precision's half type, fp32 under fp32."""
+    return w.compute_dtype if w.compute_dtype != "auto" else (PRECISIONS[w.precision].half or "fp32")
 
 
 def default_targets(spec: ModelSpec) -> tuple[str, ...]:
@@ -162,7 +182,7 @@ def in_out(g: ParamGroup) -> tuple[int, int]:
 
 
 def saved_modules(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
-    return t.modules_to_save + (TASK_MODULES_TO_SAVE.get(spec.head, ()) if t.adapters else ())
+    return t.modules_to_save + (PEFT_TASKS.get(spec.head, ("", ()))[1] if t.adapters else ())
 
 
 @lru_cache(maxsize=1024)
@@ -176,23 +196,40 @@ def tuned_params(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
 
 
 def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
-    """freeze: per-block groups split into the last K blocks (trained) and the rest (frozen)."""
-    dec = spec.num_decoder_layers > 0
-    blocks = spec.num_decoder_layers if dec else spec.num_layers
+    """freeze: the groups of the stack next to the head split into the last K blocks (trained) and the rest
+    (frozen); every other group trained or frozen whole (freeze_trains)."""
+    blocks = stack_blocks(spec)
     out: list[ParamGroup] = []
     for g in spec.params:
-        in_block = "*" in g.module
-        head_stack = in_block and (not dec or g.module.startswith("decoder."))
-        if head_stack:
-            per = g.count // blocks
-            k = min(t.trainable_layers, blocks) * per
-            out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
-            out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
+        if not (head_stack(spec, g.module) and not under(g.module, t.modules_to_save)):
+            out.append(g.model_copy(update={"trainable": freeze_trains(spec, t, g, -1)}))
             continue
-        train = (g.category == "head" or final_norm(spec, g) or tied_embedding(spec, g)
-                 or under(g.module, t.modules_to_save))
-        out.append(g.model_copy(update={"trainable": train}))
+        k = min(t.trainable_layers, blocks) * (g.count // blocks)
+        out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
+        out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
     return tuple(out)
+
+
+def freeze_trains(spec: ModelSpec, t: Tuning, g: ParamGroup, block: int) -> bool:
+    """freeze's rule for one parameter (a group's category, shape and module path; block: the index of its
+    block in its stack, -1 outside the blocks): the last K blocks of the stack next to the head, the head,
+    the final norm, the tied embedding (the head's weight) and modules_to_save. verify and the emitted
+    train.py apply it to the real model."""
+    if under(g.module, t.modules_to_save):
+        return True
+    if "*" in g.module:
+        return head_stack(spec, g.module) and block >= stack_blocks(spec) - t.trainable_layers
+    return g.category == "head" or final_norm(spec, g) or tied_embedding(spec, g)
+
+
+def head_stack(spec: ModelSpec, module: str) -> bool:
+    """A module of a block of the stack next to the head (the decoder's of an encoder-decoder)."""
+    return "*" in module and (not spec.num_decoder_layers or module.startswith("decoder."))
+
+
+def stack_blocks(spec: ModelSpec) -> int:
+    """Blocks in the stack next to the head."""
+    return spec.num_decoder_layers or spec.num_layers
 
 
 def final_norm(spec: ModelSpec, g: ParamGroup) -> bool:
@@ -333,9 +370,8 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
 
 
 def compute_bytes(w) -> int:
-    """Width of bnb_4bit_compute_dtype ("auto": the precision's half type, fp32 under fp32)."""
-    dtype = w.compute_dtype if w.compute_dtype != "auto" else ("fp32" if w.precision == "fp32" else "half")
-    return FP32 if dtype == "fp32" else HALF
+    """Width of bnb_4bit_compute_dtype."""
+    return FP32 if compute_dtype(w) == "fp32" else HALF
 
 
 def trains_embeddings(spec: ModelSpec, t: Tuning) -> bool:

@@ -95,6 +95,9 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 }
 INFER_PRECISIONS = tuple(WEIGHT_FORMATS)
 
+# torch's names of memplan's dtype names (torch.<name>): what the emitted files and verify build
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "uint8": "uint8"}
+
 # bitsandbytes 0.50 training formats (functional.py quantize_4bit / quantize_blockwise, nn/modules.py
 # Int8Params; estimator/finetune.py stored_tensors): 4-bit blocks of 64 values share one absmax; double
 # quantisation stores those absmax in 8 bit with one fp32 absmax per 256 of them; get_4bit_type's code is

@@ -6,8 +6,8 @@
   `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does it (its HfQuantizer replaces the
   modules, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize quantise each weight), then
   `peft.prepare_model_for_kbit_training` and get_peft_model.
-- freeze: the model as in full fine-tuning; the last K blocks of the stack next to the head, the head and the
-  norms outside the blocks (+ modules_to_save) keep requires_grad, as estimator/finetune.py counts them.
+- freeze: the model as in full fine-tuning; requires_grad as estimator/finetune.py freeze_trains decides (the
+  last K blocks of the stack next to the head, the head, the final norm, the tied embedding, modules_to_save).
 
 Sources: peft 0.21.2 (mapping_func.py get_peft_model, utils/other.py prepare_model_for_kbit_training),
 transformers 5.23 (quantizers/quantizer_bnb_4bit.py, integrations/bitsandbytes.py), bitsandbytes 0.50.2
@@ -29,33 +29,17 @@ from typing import Any
 import torch
 
 from memplan.errors import UserError
-from memplan.estimator.finetune import ALL_LINEAR, under
-from memplan.estimator.rules import PRECISIONS
+from memplan.emit.finetune import bnb_kwargs, lora_kwargs
+from memplan.estimator import finetune
+from memplan.estimator.finetune import ALL_LINEAR
+from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.hf import categorize, module_path
+from memplan.inputs.modelspec import ParamGroup
 from memplan.inputs.workload import Workload
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# peft TaskType per head: the task type picks the PeftModel subclass (its forward, and for classification
-# heads the classifier PEFT adds to modules_to_save); heads without one get the plain PeftModel
-TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "sequence-classification": "SEQ_CLS",
-              "token-classification": "TOKEN_CLS", "question-answering": "QUESTION_ANS"}
-
-
 def load_dtype(w: Workload) -> torch.dtype:
-    """The dtype the model is built in: lora / qlora load the base in the precision's half type (fp32
-    under fp32); full and freeze train fp32 weights, except bf16-pure (model.to(bfloat16))."""
-    half = PRECISIONS[w.precision].half
-    if w.method in ("lora", "qlora"):
-        return DTYPES[half] if half else torch.float32
-    return torch.bfloat16 if w.precision == "bf16-pure" else torch.float32
-
-
-def compute_dtype(w: Workload) -> torch.dtype:
-    """bnb_4bit_compute_dtype: "auto" is the precision's half type (fp32 under fp32)."""
-    if w.compute_dtype != "auto":
-        return DTYPES[w.compute_dtype]
-    half = PRECISIONS[w.precision].half
-    return DTYPES[half] if half else torch.float32
+    """The dtype the model is built in (estimator/finetune.py load_dtype)."""
+    return getattr(torch, DTYPE_NAMES[finetune.load_dtype(w)])
 
 
 def check_device(w: Workload, device: str) -> None:
@@ -65,13 +49,10 @@ def check_device(w: Workload, device: str) -> None:
 
 
 def bnb_config(w: Workload):
+    """The BitsAndBytesConfig the emitted bnb_config.json holds for this workload."""
     from transformers import BitsAndBytesConfig
 
-    if w.quant == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    storage = {"uint8": torch.uint8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=w.quant, bnb_4bit_use_double_quant=w.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype(w), bnb_4bit_quant_storage=storage[w.quant_storage])
+    return BitsAndBytesConfig(**bnb_kwargs(w))
 
 
 def suspend_fake():
@@ -119,15 +100,17 @@ def quantised_weight(meta_param, value: torch.Tensor):
 
 
 def lora_config(w: Workload, head: str):
+    """The LoraConfig of the emitted lora_config.json, but for the targets: none named, PEFT applies its own
+    default for the model type, as in a script that names none (tests/test_finetune.py holds memplan's copy
+    of those defaults to PEFT's)."""
     from peft import LoraConfig
 
-    targets: Any = None  # PEFT's default for the model type, as in a script that names none
+    targets: Any = None
     if w.lora_targets == (ALL_LINEAR,):
         targets = ALL_LINEAR
     elif w.lora_targets:
         targets = list(w.lora_targets)
-    return LoraConfig(r=w.lora_r, lora_alpha=w.lora_alpha, lora_dropout=w.lora_dropout, target_modules=targets,
-                      modules_to_save=list(w.modules_to_save) or None, task_type=TASK_TYPES.get(head))
+    return LoraConfig(**lora_kwargs(w, head, targets))
 
 
 def add_adapters(model, w: Workload, head: str):
@@ -176,40 +159,24 @@ def prepare_kbit(model, w: Workload) -> None:
                                     gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def freeze_layers(model, w: Workload) -> None:
-    """freeze: requires_grad off everywhere but the last K blocks of the stack next to the head (the decoder's
-    in an encoder-decoder), the head and the norms outside the blocks, and modules_to_save."""
-    k = w.trainable_layers or 0
-    enc_dec = bool(getattr(model.config, "is_encoder_decoder", False))
-    stacks: dict[str, int] = {}  # block list path -> blocks
-    for name, _ in model.named_parameters():
-        stack, index = block_of(name)
-        if stack is not None:
-            stacks[stack] = max(stacks.get(stack, 0), index + 1)
+def freeze_layers(model, w: Workload, head: str) -> None:
+    """freeze: requires_grad as estimator/finetune.py freeze_trains decides for each parameter, read off the
+    built model (its spec from the same config)."""
+    from memplan.inputs.hf import spec_from_config
+
+    spec, t = spec_from_config(model.config, "verify", head=head), finetune.Tuning.of(w)
     for name, p in model.named_parameters():
-        stack, index = block_of(name)
-        if stack is None:
-            train = categorize(name) in ("head", "norms")
-        else:
-            head_stack = not enc_dec or "decoder" in stack.split(".")
-            train = head_stack and index >= stacks[stack] - k
-        p.requires_grad_(train or under(module_path(name.rpartition(".")[0]), w.modules_to_save))
-
-
-def block_of(name: str) -> tuple[str | None, int]:
-    """(the path of the block list, the block's index) of a parameter name, or (None, -1) outside blocks."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i]), int(part)
-    return None, -1
+        owner = name.rpartition(".")[0]
+        g = ParamGroup(category=categorize(name), shape=tuple(p.shape), module=module_path(owner))
+        index = next((int(part) for part in owner.split(".") if part.isdigit()), -1)
+        p.requires_grad_(finetune.freeze_trains(spec, t, g, index))
 
 
 def apply_method(model, w: Workload, head: str):
     """The method on a built base model (its checkpointing already on, but for qlora where
     prepare_model_for_kbit_training turns it on); returns the model that trains."""
     if w.method == "freeze":
-        freeze_layers(model, w)
+        freeze_layers(model, w, head)
     if w.method not in ("lora", "qlora"):
         return model
     return add_adapters(model, w, head)
