@@ -94,19 +94,22 @@ _QV = ("q_proj", "v_proj")  # PEFT's default LoRA targets for most decoders
 FAMILIES: dict[str, Family] = {
     # BertOutput ends the feed-forward with its LayerNorm, inside the tiled region (BertLayer.feed_forward_chunk);
     # deberta_v2's masked LM also takes CrossEntropyLoss on raw logits (not modelled: no activation model).
-    "bert": Family(**_ENCODER, lora_targets=("query", "value"), mlm_raw_logits_loss=True, tiled_mlp_norms=1, memplan_attention=True,
-                   fused_loss_mlm_base="bert", tiled_mlp=True, tiled_ffn_layer="BertLayer"),
+    "bert": Family(**_ENCODER, lora_targets=("query", "value"), mlm_raw_logits_loss=True, tiled_mlp_norms=1,
+                   memplan_attention=True, fused_loss_mlm_base="bert", tiled_mlp=True, tiled_ffn_layer="BertLayer"),
     "roberta": Family(**_ENCODER, lora_targets=("query", "value"), mlm_raw_logits_loss=True),
     "distilbert": Family(**_ENCODER),
     # GPT2Attention.c_attn is one Conv1D for q, k, v
-    "gpt2": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1, query_views_fused_qkv=True,
-                   fused_loss_causal_base="transformer", tiled_mlp=True, memplan_attention=True),
+    "gpt2": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
+                   query_views_fused_qkv=True, fused_loss_causal_base="transformer", tiled_mlp=True,
+                   memplan_attention=True),
     "opt": Family(**_DECODER, lora_targets=_QV, softmax_fp32=True),
     # GPTNeoXAttention.query_key_value; GPTNeoXLayer: use_parallel_residual
-    "gpt_neox": Family(**_DECODER, lora_targets=("query_key_value",), position="rotary", softmax_fp32=True, qkv_linears=1, parallel_residual=True),
+    "gpt_neox": Family(**_DECODER, lora_targets=("query_key_value",), position="rotary", softmax_fp32=True,
+                       qkv_linears=1, parallel_residual=True),
     # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
-    "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative", gated_act_prefix="gated-",
-                 softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",), selective=True),
+    "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative",
+                 gated_act_prefix="gated-", softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",),
+                 selective=True),
     "llama": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     "mistral": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # PEFT lists q_proj, v_proj for mixtral but, on transformers 5, converts the config for the fused MoE
