@@ -255,6 +255,21 @@ def tied_modules(spec: ModelSpec) -> tuple[str, ...]:
                  and not k.endswith((".bias", ".weight")) and not any(m.startswith(k + ".") for m in own))
 
 
+def records_frozen_blocks(spec: ModelSpec, t: Tuning) -> bool:
+    """Whether autograd records the frozen blocks: under LoRA each has adapters; under freeze only when a
+    tensor before them requires a gradient, i.e. a trained embedding (a tied head's matrix, or
+    modules_to_save), else the frozen blocks before the trained ones record nothing."""
+    return t.method != "freeze" or trains_embeddings(spec, t)
+
+
+def cast_kept(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
+    """Whether the half copy autocast makes of this fp32 weight lives through backward. Autocast caches the
+    cast of a weight that requires a gradient (ATen autocast_mode.cpp cached_cast: leaf tensors that require
+    grad); a frozen weight's cast is transient unless its matmul saves it for the input's gradient, in the
+    blocks autograd records (records_frozen_blocks)."""
+    return g.trainable or records_frozen_blocks(spec, t)
+
+
 def has_module(spec: ModelSpec, name: str) -> bool:
     """Some module of the model ends with `name` (modules_to_save's test): a group's, or a tied module's,
     which has no group of its own."""

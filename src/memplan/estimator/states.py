@@ -15,7 +15,9 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
-from memplan.estimator.finetune import FULL, Tuning, element_bytes, stored_tensors, tied_embedding, tuned_params
+from memplan.estimator.finetune import (
+    FULL, Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
+)
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import (
     FP32, HALF, OPTIMIZERS, PAGED_MIN_NUMEL, PRECISIONS, Precision, optimizer_state_bytes,
@@ -171,7 +173,8 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     states = sum(state)
     managed = sum(v for g, v in zip(trainable, state) if paged(rule, g))
     comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
-    copies = autocast_copies(groups, tied_cast, prec) if prec.autocast else (0, 0, 0)
+    kept = [g for g in groups if cast_kept(k.spec, k.tuning, g)]
+    copies = autocast_copies(kept, tied_cast, prec) if prec.autocast else (0, 0, 0)
     g_enc, g_dec = _grad_layers(spec, k.tuning, enc, dec)
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
@@ -180,9 +183,11 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
 
 
 def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int]:
-    """The layers autograd records: freeze trains the last K blocks of the stack next to the head, and the
-    frozen blocks before them see no tensor that requires a gradient, so they save nothing."""
-    if t.method != "freeze":
+    """The layers whose activations autograd keeps: freeze trains the last K blocks of the stack next to the
+    head, and the frozen blocks before them record nothing unless a trained embedding makes their input
+    require a gradient (finetune.records_frozen_blocks). Recorded frozen blocks are counted with a trained
+    block's activations, an over-estimate: they keep no input of their frozen linears."""
+    if records_frozen_blocks(spec, t):
         return enc, dec
     if spec.num_decoder_layers:
         return 0, min(t.trainable_layers, dec)
@@ -242,7 +247,8 @@ def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     out: list[tuple[float, int]] = []
     for g in by_shape(groups):
         out += stored_tensors(g, prec.param)
-        if prec.autocast and g.category in LINEAR_CATEGORIES and element_bytes(g, prec.param) == FP32:
+        if prec.autocast and g.category in LINEAR_CATEGORIES and element_bytes(g, prec.param) == FP32 \
+                and cast_kept(k.spec, k.tuning, g):
             out.append((g.numel * HALF, g.count))  # the half copies autocast re-creates every step
         if g.trainable:
             width = element_bytes(g, prec.param)
