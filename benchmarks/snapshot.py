@@ -109,6 +109,21 @@ def _estimates() -> list[dict]:
         add(model, "t4-16g", task="infer", precision="fp16-pure", micro_batch=8,
             seq_len={"vit-large": 197, "bert-large": 512}.get(model, 512), attn="eager",
             max_new_tokens=0 if model in ("bert-large", "vit-large") else 128)
+    # fine-tuning methods (docs/finetune.md): LoRA / QLoRA / int8 / freeze over the families, tied and untied
+    # heads, dropout, all-linear, modules_to_save, fp32 and pure bf16 bases, paged optimizer, checkpointing
+    methods = [dict(method="lora"), dict(method="lora", lora_targets="all-linear", lora_dropout=0.1),
+               dict(method="qlora"), dict(method="qlora", quant="int8"),
+               dict(method="qlora", double_quant=False, precision="bf16-pure"), dict(method="freeze", trainable_layers=2),
+               dict(method="lora", precision="fp32"), dict(method="lora", precision="fp16", optim="paged_adamw_8bit"),
+               dict(method="lora", grad_ckpt="full")]
+    for model in ("llama-3.2-1b", "gpt2", "bert-base", "t5-small", "qwen2.5-0.5b", "gemma-2-2b", "llama-3.1-8b"):
+        for m in methods:
+            attn = "eager" if model == "gemma-2-2b" else "sdpa"  # transformers has no sdpa for gemma2
+            add(model, "a100-80g", **({"micro_batch": 2, "seq_len": 256, "precision": "bf16", "attn": attn} | m))
+    add("llama-3.2-1b", "a100-80g", method="lora", modules_to_save="lm_head", micro_batch=2, seq_len=256,
+        precision="bf16", attn="sdpa")
+    add("mixtral-8x7b", "a100-80g", method="lora", lora_targets="q_proj,v_proj", micro_batch=2, seq_len=256,
+        precision="bf16", attn="sdpa")
     return grid
 
 
@@ -129,6 +144,8 @@ def _searches() -> list[dict]:
     add("llama-3.1-8b", "a100-80g", gpus=8, nodes=2, seq_len=2048, global_batch=256, fsdp="hybrid-shard")
     add("llama-3.1-8b", "l4-24g", task="infer", seq_len=1024, global_batch=8)
     add("t5-base", "a10g-24g", seq_len=512, global_batch=64, objective="headroom")
+    add("llama-3.1-8b", "rtx4090-24g", seq_len=2048, global_batch=32, method="any", lora_r=16)
+    add("gpt2", "t4-16g", seq_len=512, global_batch=64, method="any", trainable_layers=2)
     return grid
 
 
