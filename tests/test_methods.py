@@ -19,6 +19,18 @@ def test_lora_and_qlora_plans_fit_a_4090_where_full_fine_tuning_does_not():
     assert "--method lora" in said and "--method qlora" in said
 
 
+def test_a_model_without_peft_default_targets_is_offered_all_linear_by_name():
+    # PEFT has no default target_modules for phi3: the alternative names the targets it assumes
+    s = api.suggest("phi-3-mini", "rtx4090")
+    assert not s.plans
+    changes = [a.change for a in s.alternatives]
+    assert "--method lora --lora-targets all-linear" in changes
+    lora = next(a for a in s.alternatives if a.change.startswith("--method lora"))
+    assert lora.plan.workload.lora_targets == ("all-linear",)
+    # a model with a default keeps it, unnamed
+    assert "--method lora" in [a.change for a in api.suggest("llama-3.1-8b", "rtx4090").alternatives]
+
+
 def test_lora_trains_only_the_adapters_and_frees_their_states():
     full = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16")
     lora = api.estimate("llama-3.1-8b", "a100-80g", micro_batch=1, seq_len=512, precision="bf16", method="lora",

@@ -22,6 +22,7 @@ import gc
 import time
 from typing import Any, NamedTuple
 
+from memplan.estimator.finetune import ALL_LINEAR, default_targets
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -226,17 +227,28 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
     if not req.train or req.method is not None or sp.world > 1:
         return [], 0
     best, out, n = (found[0] if found else None), [], 0
+    req, targets = _lora_request(req)
     for method in ("lora", "qlora"):
         cands, m, _ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
         n += m
         if not cands or (best is not None and max(c.mb for c in cands) <= best.mb):
             continue
         c = max(cands, key=lambda c: (c.mb, c.samples_per_s))
-        what = f"LoRA r{req.lora_r}" + (" on 4-bit weights (QLoRA)" if method == "qlora" else "")
+        what = f"LoRA r{req.lora_r}" + (" on every linear layer" if targets else "") + (
+            " on 4-bit weights (QLoRA)" if method == "qlora" else "")
         gain = f"{what} fits with micro batch {c.mb}" + (f" (full fine-tuning: {best.mb})" if best else
                                                           f"; full fine-tuning does not fit one {req.gpu.name}")
-        out.append(Alternative(change=f"--method {method}", gain=gain, plan=plan(req, c)))
+        out.append(Alternative(change=f"--method {method}{targets}", gain=gain, plan=plan(req, c)))
     return out, n
+
+
+def _lora_request(req: SearchRequest) -> tuple[SearchRequest, str]:
+    """The request the LoRA alternatives are searched with, and the option they add: the user's targets,
+    or PEFT's default for the model type; a model without one (phi3, mixtral) is offered all-linear, named
+    in the option so that nothing is chosen silently."""
+    if req.lora_targets or default_targets(req.spec):
+        return req, ""
+    return req.model_copy(update={"lora_targets": (ALL_LINEAR,)}), f" --lora-targets {ALL_LINEAR}"
 
 
 def _gain(c: Candidate, best: Candidate | None) -> str:
