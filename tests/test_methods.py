@@ -104,3 +104,13 @@ def test_modules_to_save_names_a_tied_head():
     assert e.model.params_trainable == 128256 * 2048 + lora
     with pytest.raises(UserError, match="no module of llama-3.2-1b is named 'lm_heads'"):
         api.estimate("llama-3.2-1b", "a100-80g", method="lora", modules_to_save="lm_heads")
+
+
+def test_qlora_says_which_parameters_4bit_leaves_alone():
+    # transformers 5's fused MoE experts are 3-D parameters, not nn.Linear: bnb keeps them, prepare up-casts
+    moe = api.estimate("mixtral-8x7b", "h100", method="qlora", lora_targets="all-linear", seq_len=256)
+    note = next(n for n in moe.notes if n.startswith("4-bit quantisation leaves"))
+    assert "45.1B" in note and "mlp.experts" in note
+    assert moe.breakdown["weights"] > 45e9 * 4  # fp32 experts
+    dense = api.estimate("llama-3.1-8b", "h100", method="qlora", seq_len=256)
+    assert not any(n.startswith("4-bit quantisation leaves") for n in dense.notes)

@@ -393,3 +393,23 @@ def trains_embeddings(spec: ModelSpec, t: Tuning) -> bool:
     """Whether a tensor the embeddings make requires a gradient (a trained embedding, or full fine-tuning):
     otherwise autograd records nothing before the first trained block or adapter."""
     return t.method == "full" or any(g.trainable and g.category == "embeddings" for g in tuned_params(spec, t))
+
+
+# kept in their load dtype by every method: small by design, never worth a note
+_NOT_LINEAR_BY_DESIGN = ("embeddings", "norms", "head", "adapter", "router")
+
+
+def unquantised_note(spec: ModelSpec, t: Tuning) -> str | None:
+    """QLoRA quantises only linear layers (transformers' bnb quantizer replaces nn.Linear / Conv1D):
+    parameters held another way - transformers 5 fuses a MoE layer's experts into 3-D nn.Parameters -
+    stay in the load dtype, and prepare_model_for_kbit_training (peft 0.21.2 utils/other.py) up-casts
+    every fp16 / bf16 parameter that is not Params4bit to fp32. Said when that is over 1 % of the model."""
+    if t.method != "qlora":
+        return None
+    bulk = [g for g in tuned_params(spec, t) if not g.weight_of and g.category not in _NOT_LINEAR_BY_DESIGN]
+    n = sum(g.total for g in bulk)
+    if n <= 0.01 * spec.params_total:
+        return None
+    where = ", ".join(dict.fromkeys(g.module for g in bulk))
+    return (f"4-bit quantisation leaves {n / 1e9:.1f}B parameters that are not linear layers unquantised ({where}); "
+            "prepare_model_for_kbit_training up-casts them to fp32")

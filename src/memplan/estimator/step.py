@@ -23,6 +23,7 @@ from memplan.estimator import activation_arrays as A
 from memplan.estimator.activations import training_activations
 from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
+from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import gpu_workspace, meters
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
@@ -275,13 +276,13 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
-    return Peak(parts, phases, PHASES[i], _notes(w, stage, float(c.flight[b, k]), c.n_layers),
+    return Peak(parts, phases, PHASES[i], _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers),
                 _per_layer_terms(spec, w), allocated, reserved, int(t.device_used[b, k]), int(t.cpu_per_gpu[b, k]),
                 int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]))
 
 
-def _notes(w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
-    notes: list[str] = []
+def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
+    notes = [n for n in (unquantised_note(spec, Tuning.of(w)),) if n]
     if OPTIMIZERS[w.optim].paged:
         notes.append(f"{w.optim}: the optimizer states live in CUDA managed memory (paged): outside torch's "
                      "allocator, counted in device used; under memory pressure the driver pages them to CPU RAM")
