@@ -181,7 +181,17 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
         comm = 2 * b["reduce_bucket_size"] * pb
         # the stage-2 partition (grads_in_partition) is freed at each step (_release_ipg_buffers)
         return ZeroStates(P * pb + constants, grads, False, step, opt, comm, 0, cpu, int(Pt * pb), constants)
+    return _zero3_states(ts, spec, n, offload, prec, opt, constants)
+
+
+def _zero3_states(ts: list[ParamGroup], spec: ModelSpec, n: int, offload: str, prec: Precision, opt: int,
+                  constants: int) -> ZeroStates:
+    """zero_states' stage 3 (its docstring) over n ranks, for the flat view `ts`; opt: the bytes of the
+    optimizer states."""
+    b, pb = ds_buckets(spec), prec.param
+    P, Pt = numel(ts), numel(ts, trainable_only=True)
     thr = b["stage3_param_persistence_threshold"]
+    part = lambda x: -(-x // n)  # noqa: E731
     persistent = sum(t.total for t in ts if t.numel <= thr)
     sharded = P - persistent
     weights = (part(sharded) + persistent) * pb
@@ -190,7 +200,7 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
         cpu += part(sharded) * pb
         weights = persistent * pb
     grads = part(Pt) * pb
-    step = (pb + FP32) * min(part(Pt), SUB_GROUP_SIZE) if half else 0
+    step = (pb + FP32) * min(part(Pt), SUB_GROUP_SIZE) if prec.half is not None else 0
     if offload != "none":
         cpu += opt + grads + FP32 * part(Pt)
         opt, grads, step = 0, 0, 0
