@@ -48,7 +48,7 @@ def build_trainer(train_dataset, directory: Path = HERE, *, config=None, args_ov
     # TrainingArguments first: under ZeRO-3 DeepSpeed partitions the model while it loads
     args = transformers.TrainingArguments(**{**kw, **(args_overrides or {})})
     model = load_model(launch, directory, args, config, model_overrides)
-    model = tune(prepare(model, launch), launch, directory)
+    model = tune(prepare(model, launch), launch, directory, hf_checkpointing(args))
     return transformers.Trainer(model=model, args=args, train_dataset=train_dataset, **trainer_kwargs)
 
 
@@ -64,20 +64,31 @@ def load_model(launch: dict, directory: Path, args, config=None, overrides: dict
     auto = getattr(transformers, launch["auto_class"])
     if not launch.get("quantization_config"):
         return auto.from_config(config, **kw) if config is not None else auto.from_pretrained(launch["model"], **kw)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     quant = transformers.BitsAndBytesConfig(**json.loads((directory / launch["quantization_config"]).read_text()))
-    # each process quantises onto its own GPU (bitsandbytes quantises as the weights move there)
+    # each process quantises onto its own GPU (bitsandbytes quantises as the weights move there); under
+    # ZeRO-3 transformers refuses a device_map (integrations/accelerate.py check_and_set_device_map) and
+    # DeepSpeed places and partitions the weights when it wraps the model
     device = "cpu" if args.use_cpu or not torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+    placement = {} if is_deepspeed_zero3_enabled() else {"device_map": {"": device}}
     with tempfile.TemporaryDirectory() as tmp:
         source = launch["model"]
         if config is not None:
             auto.from_config(config, **kw).save_pretrained(tmp)
             source = tmp
-        return auto.from_pretrained(source, quantization_config=quant, device_map={"": device}, **kw)
+        return auto.from_pretrained(source, quantization_config=quant, **placement, **kw)
 
 
-def tune(model, launch: dict, directory: Path):
+def hf_checkpointing(args) -> bool:
+    """Whether the Trainer checkpoints the model itself (memplan leaves it to FSDP's wrapper under FSDP)."""
+    return bool(getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)))
+
+
+def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None):
     """The fine-tuning method: LoRA adapters (PEFT), after prepare_model_for_kbit_training for QLoRA, or
-    the frozen layers of --method freeze; full fine-tuning trains the model as it is."""
+    the frozen layers of --method freeze; full fine-tuning trains the model as it is. checkpointing: the
+    Trainer's own (None: as planned); under FSDP the wrapper checkpoints, so PEFT must not as well."""
     if launch.get("freeze"):
         return freeze(model, launch["freeze"])
     if not launch.get("lora_config"):
@@ -87,7 +98,9 @@ def tune(model, launch: dict, directory: Path):
     if launch.get("quantization_config"):
         # fp32 copies of the non-quantised parameters, checkpointing as planned (non-reentrant: the
         # frozen inputs need no requires_grad hook)
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=launch["checkpointing"] == "full",
+        if checkpointing is None:
+            checkpointing = launch["checkpointing"] == "full"
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                      gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(**json.loads((directory / launch["lora_config"]).read_text()))
     model = peft.get_peft_model(model, lora)

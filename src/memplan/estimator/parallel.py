@@ -15,9 +15,11 @@ over the dp ranks, the way DeepSpeed does it (see `zero_states`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from memplan.estimator.rules import FP32, OptimRule, Precision
+from memplan.estimator.finetune import element_bytes, stored_tensors
+from memplan.estimator.rules import FP32, HALF, OptimRule, Precision
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 TP_SPLIT = ("attention", "mlp", "experts", "embeddings", "head")  # column/row/vocab parallel
@@ -99,6 +101,30 @@ class ZeroStates:
     comm_buffers: int  # reduce buckets, DDP bucket copies
     gathered: int  # ZeRO-3: parameters gathered for the modules being computed
     cpu: int  # host RAM this GPU's process holds for offload
+    trained_weights: int = 0  # the trained parameters' share of `weights` (LoRA adapters: states.py)
+    constants: int = 0  # quantisation constants, replicated: part of `weights`
+
+
+# -- a fine-tuning method's table (estimator/finetune.py) as the sharding libraries see it ---------------
+def flat_view(ts: list[ParamGroup], width: float) -> tuple[list[ParamGroup], int]:
+    """(the parameters as DeepSpeed and FSDP hold them, the bytes of the quantisation constants).
+    A bitsandbytes weight is one tensor of bnb_4bit_quant_storage's dtype (`width` bytes, the model's
+    float dtype: constraints.py requires it under ZeRO-3 and FSDP), holding the packed 4-bit values:
+    ceil(packed bytes / width) elements (bitsandbytes 0.50.2 functional.py quantize_4bit: a
+    ((n + 1) // (2 * itemsize), 1) tensor of quant_storage). An LLM.int8 weight is its int8 data.
+    Its quant_state (absmax, code, the nested state; Int8Params' SCB) is a Python attribute of the
+    parameter, not a parameter: no library partitions it, so every rank holds all of it. Float groups
+    are returned as they are."""
+    out, constants = [], 0
+    for g in ts:
+        if element_bytes(g, width):
+            out.append(g)
+            continue
+        (packed, count), *rest = stored_tensors(g, width)
+        out.append(g.model_copy(update={"shape": (-(-int(packed) // int(width)),), "count": count,
+                                        "store": "half" if width == HALF else "fp32"}))
+        constants += int(sum(b * c for b, c in rest))
+    return out, constants
 
 
 def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, offload: str, prec: Precision,
@@ -122,7 +148,16 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
     DeepSpeed without ZeRO (only used here under pipeline parallelism) is stage 1 with N = 1.
     prec: the model's precision as DeepSpeed runs it (a half one, or fp32); optim: its state rule (the
     moments are fp32 on the master copy whatever the model's dtype).
+    Fine-tuning methods: the engine casts every float parameter, frozen or not, to the half dtype
+    (engine.py _cast_module_mixed_precision: CASTABLE_DTYPES; bitsandbytes' uint8 / int8 weights are not
+    castable and stay); only trained parameters enter the optimizer's groups and its flat buffers
+    (utils.py is_optimized_parameter), so gradients, the master copy and the moments count the trained
+    parameters Pt. Stages 1 and 2 keep every parameter on every rank, frozen ones included; stage 3
+    partitions every parameter of the module, frozen or not (parameter_offload.py
+    _convert_to_zero_parameters: all module.parameters()). A 4-bit weight is its packed tensor
+    (`flat_view`), its quantisation constants replicated.
     """
+    ts, constants = flat_view(ts, prec.param)
     P = numel(ts)
     Pt = numel(ts, trainable_only=True)
     pb, half = prec.param, prec.half is not None
@@ -145,8 +180,19 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
             opt = 0
         comm = 2 * b["reduce_bucket_size"] * pb
         # the stage-2 partition (grads_in_partition) is freed at each step (_release_ipg_buffers)
-        return ZeroStates(P * pb, grads, False, step, opt, comm, 0, cpu)
-    persistent = sum(t.total for t in ts if t.numel <= b["stage3_param_persistence_threshold"])
+        return ZeroStates(P * pb + constants, grads, False, step, opt, comm, 0, cpu, int(Pt * pb), constants)
+    return _zero3_states(ts, spec, n, offload, prec, opt, constants)
+
+
+def _zero3_states(ts: list[ParamGroup], spec: ModelSpec, n: int, offload: str, prec: Precision, opt: int,
+                  constants: int) -> ZeroStates:
+    """zero_states' stage 3 (its docstring) over n ranks, for the flat view `ts`; opt: the bytes of the
+    optimizer states."""
+    b, pb = ds_buckets(spec), prec.param
+    P, Pt = numel(ts), numel(ts, trainable_only=True)
+    thr = b["stage3_param_persistence_threshold"]
+    part = lambda x: -(-x // n)  # noqa: E731
+    persistent = sum(t.total for t in ts if t.numel <= thr)
     sharded = P - persistent
     weights = (part(sharded) + persistent) * pb
     cpu = 0
@@ -154,12 +200,15 @@ def zero_states(ts: list[ParamGroup], spec: ModelSpec, *, zero: int, dp: int, of
         cpu += part(sharded) * pb
         weights = persistent * pb
     grads = part(Pt) * pb
-    step = (pb + FP32) * min(part(Pt), SUB_GROUP_SIZE) if half else 0
+    step = (pb + FP32) * min(part(Pt), SUB_GROUP_SIZE) if prec.half is not None else 0
     if offload != "none":
         cpu += opt + grads + FP32 * part(Pt)
         opt, grads, step = 0, 0, 0
     gathered = gathered_numel(spec, ts) * pb
-    return ZeroStates(weights, grads, True, step, opt, b["reduce_bucket_size"] * pb, gathered, cpu)
+    # the trained parameters' share: each whole below the persistence threshold, else its part
+    trained = sum(t.total if t.numel <= thr else (0 if offload == "all" else part(t.total)) for t in ts if t.trainable)
+    return ZeroStates(weights + constants, grads, True, step, opt, b["reduce_bucket_size"] * pb, gathered, cpu,
+                      int(trained * pb), constants)
 
 
 SUB_GROUP_SIZE = 10**9  # DeepSpeed default sub_group_size (elements)
@@ -193,20 +242,50 @@ def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int
     - shard-grad-op (reshard_after_forward=False): parameters stay gathered from forward to backward:
       every parameter in half at the backward peak;
     - hybrid-shard: full-shard over the GPUs of one node (N = gpus), replicated across nodes.
-    prec: the precision units are gathered in (param_dtype); optim: its state rule."""
+    prec: the precision units are gathered in (param_dtype); optim: its state rule.
+    Fine-tuning methods (FSDP2; accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model): accelerate
+    up-casts the trained parameters to fp32 and leaves frozen ones in their loaded dtype (`fsdp_width`);
+    fully_shard shards each parameter, frozen or not, as its own DTensor, and only trained ones get a
+    gradient. A 4-bit weight is its packed tensor of quant_storage's dtype (`flat_view`; constraints.py
+    requires quant_storage to be the float dtype: accelerate leaves a uint8 one out of sharding), its
+    quantisation constants replicated. Units are gathered in param_dtype (the packed weights in their
+    storage dtype, the same width)."""
     n = gpus if strategy == "hybrid-shard" else dp
+    ts, constants = flat_view(ts, prec.param)
     P = numel(ts)
     Pt = numel(ts, trainable_only=True)
     part = lambda x: -(-x // n)  # noqa: E731
     pb = prec.param
-    layer, root = fsdp_units(spec)
+    widths: dict[float, int] = {}
+    for g in ts:
+        widths[fsdp_width(g)] = widths.get(fsdp_width(g), 0) + g.total
+    weights = sum(part(count) * width for width, count in widths.items())
+    layer, root = fsdp_units(spec, ts)
     gathered = P * pb if strategy == "shard-grad-op" else (3 * layer + root) * pb
     moments = optim.states * FP32
-    return ZeroStates(part(P) * FP32, part(Pt) * FP32, False, 0, int(moments * part(Pt)), 0, gathered, 0)
+    return ZeroStates(int(weights) + constants, part(Pt) * FP32, False, 0, int(moments * part(Pt)), 0, gathered, 0,
+                      part(Pt) * FP32, constants)
 
 
-def fsdp_units(spec: ModelSpec) -> tuple[int, int]:
-    """(elements of one transformer layer, of the root unit: embeddings, head, norms outside layers)."""
+def fsdp_width(g: ParamGroup) -> float:
+    """Bytes per element of a sharded FSDP2 parameter: fp32 for a trained one (accelerate up-casts it under
+    mixed precision: fsdp2_prepare_model "Upcast to fp32 master weights"), its load dtype for a frozen one
+    (full fine-tuning and freeze load fp32, LoRA's base the half type, QLoRA's packed weights their storage)."""
+    return FP32 if g.trainable else element_bytes(g, FP32)
+
+
+UNIT_CATEGORIES = LAYER_CATEGORIES + ("adapter",)  # LoRA's adapters belong to their layer's unit
+
+
+def fsdp_units(spec: ModelSpec, ts: list[ParamGroup] | None = None) -> tuple[int, int]:
+    """(elements of one transformer layer, of the root unit: embeddings, head, norms outside layers);
+    ts: the table as sharded (a method's, `flat_view`), else the model's."""
     L = max(spec.total_layers, 1)
-    layer = sum((g.count // L) * g.numel for g in spec.params if g.category in LAYER_CATEGORIES and g.count >= L)
-    return layer, spec.params_total - layer * L
+    ts = list(spec.params) if ts is None else ts
+    # a module's tensors counted together: freeze splits a layer group into trained and frozen blocks
+    counts: dict[tuple, int] = {}
+    for g in ts:
+        key = (g.category, g.module, g.shape)
+        counts[key] = counts.get(key, 0) + g.count
+    layer = sum((c // L) * math.prod(shape) for (cat, _, shape), c in counts.items() if cat in UNIT_CATEGORIES and c >= L)
+    return layer, numel(ts) - layer * L

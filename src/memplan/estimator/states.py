@@ -52,11 +52,13 @@ def activation_precision(w: Workload) -> Precision:
       half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS);
     - qlora: prepare_model_for_kbit_training leaves norms and embeddings in fp32, so the residual stream is
       fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
-      layers cast their output back to the fp32 input's dtype, so everything is fp32."""
+      layers cast their output back to the fp32 input's dtype, so everything is fp32. Under DeepSpeed the
+      engine casts those fp32 parameters back to half, and FSDP2 gathers them in half and casts the
+      forward's inputs to it (MixedPrecisionPolicy cast_forward_inputs): a half model, pure half."""
     prec = train_precision(w)
     if w.method == "lora" and prec.half:
         return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast else prec
-    if w.method == "qlora":
+    if w.method == "qlora" and not half_model(w):
         return PRECISIONS[f"{prec.half}-qlora"] if prec.autocast else PRECISIONS["fp32"]
     return prec
 
@@ -130,7 +132,7 @@ class StageStates(NamedTuple):
 @lru_cache(maxsize=CACHE_SIZE)
 def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int, tuning: Tuning = FULL) -> tuple[ParamGroup, ...]:
     """One stage's parameter groups, shared by every ZeRO / precision / optimizer setting of a layout (a
-    fine-tuning method runs on one replica of the whole model: constraints.py)."""
+    fine-tuning method runs without TP or PP, on the whole model: constraints.py)."""
     if tuning.method != "full":
         return tuned_params(spec, tuning)
     return tuple(stage_params(spec, tp, pp, stage))
@@ -146,7 +148,8 @@ def stage_states(k: StatesKey) -> StageStates:
         tied, tied_cast = _tied(spec, k, groups, prec)
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
-        temp, grads_persistent, adapters, constants, managed = z.step_transient, z.grads_persistent, 0, 0, 0
+        temp, grads_persistent, managed = z.step_transient, z.grads_persistent, 0
+        adapters, constants = z.trained_weights if k.tuning.adapters else 0, z.constants
         persistent = [(weights, 1), (grads, 1), (states, 1), (comm, 1), (gathered, 1), (temp, 1)]
         copies = autocast_copies(groups, tied_cast, prec) if prec.autocast else (0, 0, 0)
         return StageStates(weights, adapters, constants, grads, states, managed, temp, comm, gathered, cpu,

@@ -23,7 +23,7 @@ from pydantic import AfterValidator
 from memplan.errors import UserError
 from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
 from memplan.estimator.finetune import ALL_LINEAR, default_targets, has_module, linear_names, matches
-from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
+from memplan.estimator.rules import INFER_PRECISIONS, PRECISIONS, TRAIN_PRECISIONS
 
 if TYPE_CHECKING:
     from memplan.inputs.modelspec import ModelSpec
@@ -136,6 +136,12 @@ def _c(name: str, needs: str, reads: str, invalid: Rule, message: Rule | str, ex
 def precisions_of(task: str) -> tuple[str, ...]:
     """The precisions a task has (training: mixed or pure; inference: weight formats too)."""
     return TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS
+
+
+def float_dtype(precision: str) -> str:
+    """The dtype DeepSpeed and FSDP hold (and gather) the model's float parameters in: the half type of a
+    mixed precision, fp32 under fp32."""
+    return PRECISIONS[precision].half or "fp32"
 
 
 def _cc(gpu: GPUProfile) -> str:
@@ -252,11 +258,43 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: ("--method freeze needs --trainable-layers K (the last K blocks are trained)"
                         if w.method == "freeze" else "--trainable-layers applies to --method freeze"),
        {"method": "freeze"}),
-    _c("method-single-replica", "workload", "method zero fsdp tp pp",
-       lambda w, m, g: w.method != "full" and (w.zero > 0 or w.fsdp != "none" or w.tp > 1 or w.pp > 1),
-       lambda w, m, g: f"--method {w.method} is modelled on one GPU or under DDP (--zero 0); with DeepSpeed "
-                       "ZeRO, FSDP, --tp or --pp it is not modelled yet",
-       {"method": "lora", "gpus": 2, "zero": 2}),
+    # a method runs on one GPU, DDP, ZeRO 1-3 or FSDP2 (docs/finetune.md, multi-GPU)
+    _c("method-no-tp-pp", "workload", "method tp pp",
+       lambda w, m, g: w.method != "full" and (w.tp > 1 or w.pp > 1),
+       lambda w, m, g: f"--method {w.method} is modelled on one GPU, DDP, ZeRO (--zero 1-3) or FSDP; with --tp "
+                       "or --pp it is not modelled yet",
+       {"method": "lora", "gpus": 2, "tp": 2}),
+    # FSDP1 flattens a unit's parameters into one FlatParameter: one dtype per unit, and a gradient for
+    # the frozen ones beside trained ones (torch 2.13 distributed/fsdp/fully_sharded_data_parallel.py,
+    # use_orig_params); hybrid-shard is FSDP1 here (emit/common.py FSDP_LAYOUT)
+    _c("method-no-fsdp1", "workload", "method fsdp",
+       lambda w, m, g: w.method != "full" and w.fsdp == "hybrid-shard",
+       lambda w, m, g: f"--method {w.method} under --fsdp hybrid-shard (FSDP1: flat parameters of one dtype, "
+                       "gradients for frozen parameters in a trained unit) is not modelled; use full-shard or "
+                       "shard-grad-op (FSDP2)",
+       {"method": "lora", "gpus": 2, "nodes": 2, "fsdp": "hybrid-shard"}),
+    # ZeRO-3 and FSDP shard a parameter as a tensor of the model's float dtype: LLM.int8's Int8Params
+    # (int8 data, its SCB beside it) has no such form; accelerate 1.15 leaves it to no sharding either
+    _c("qlora-int8-unsharded", "workload", "method quant zero fsdp",
+       lambda w, m, g: w.method == "qlora" and w.quant == "int8" and (w.zero == 3 or w.fsdp != "none"),
+       "--method qlora --quant int8 (LLM.int8) is modelled on one GPU, DDP or ZeRO-1/2, not under ZeRO-3 or FSDP",
+       {"method": "qlora", "quant": "int8", "gpus": 2, "zero": 3}),
+    # a 4-bit weight is sharded as one tensor of bnb_4bit_quant_storage's dtype: accelerate 1.15 leaves a
+    # non-floating one out of FSDP2 (utils/fsdp_utils.py fsdp2_prepare_model: "Default uint8 quant_storage
+    # cannot survive fully_shard's DTensor conversion") and transformers sets FSDP's param_dtype to it
+    # (distributed/fsdp.py update_fsdp_plugin_peft); ZeRO-3 flattens it with the half parameters (peft
+    # docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3": bnb_4bit_quant_storage=torch.bfloat16)
+    _c("qlora-sharded-storage", "workload", "method quant quant_storage precision zero fsdp",
+       lambda w, m, g: w.method == "qlora" and w.quant != "int8" and (w.zero == 3 or w.fsdp != "none")
+       and w.quant_storage != float_dtype(w.precision),
+       lambda w, m, g: f"--method qlora under {'--zero 3' if w.zero == 3 else '--fsdp'} needs --quant-storage "
+                       f"{float_dtype(w.precision)} (the 4-bit weights are sharded as tensors of the model's "
+                       f"dtype), not {w.quant_storage}",
+       {"method": "qlora", "gpus": 2, "zero": 3, "precision": "bf16"}),
+    _c("qlora-no-param-offload", "workload", "method offload",
+       lambda w, m, g: w.method == "qlora" and w.offload == "all",
+       "--method qlora with --offload all (4-bit weights offloaded by ZeRO-3) is not modelled; use --offload optimizer",
+       {"method": "qlora", "quant_storage": "bf16", "precision": "bf16", "zero": 3, "offload": "all"}),
     _c("method-no-kernels", "workload", "method kernels tiled_mlp grad_ckpt",
        lambda w, m, g: w.method != "full" and (w.kernels or w.tiled_mlp or w.grad_ckpt == "selective"),
        lambda w, m, g: f"--method {w.method} is modelled with --grad-ckpt none or full and without memplan's "
