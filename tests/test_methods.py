@@ -92,3 +92,17 @@ def test_modules_to_save_names_a_tied_head():
     assert e.model.params_trainable == 128256 * 2048 + lora
     with pytest.raises(UserError, match="no module of llama-3.2-1b is named 'lm_heads'"):
         api.estimate("llama-3.2-1b", "a100-80g", method="lora", modules_to_save="lm_heads")
+
+
+@pytest.mark.parametrize("model, stream_bytes", [("bert-base", 4), ("gpt2", 2)])
+def test_lora_residual_stream_is_fp32_after_an_embedding_layernorm(model, stream_bytes):
+    """Over a bf16 base under autocast, BERT's embeddings end with a LayerNorm that autocast runs in fp32, and
+    each half output added to that stream promotes: what full checkpointing keeps per layer is fp32. GPT-2's
+    embeddings are a bf16 sum, and its stream stays bf16 (tests/test_finetune.py traces the saved norms)."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.inputs.workload import Workload
+
+    spec = api.resolve_spec(model, None, False)
+    w = Workload(method="lora", precision="bf16", micro_batch=2, seq_len=256, grad_ckpt="full")
+    kept = ActsKey.of(spec, w).model(2).layer_input
+    assert [t.nbytes for t in kept] == [stream_bytes * spec.hidden_size * 2 * 256]

@@ -48,7 +48,7 @@ class ActsKey(NamedTuple):
     @classmethod
     def of(cls, spec: ModelSpec, w: Workload) -> "ActsKey":
         t = Tuning.of(w)
-        return cls(spec, w.seq_len, activation_precision(w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
+        return cls(spec, w.seq_len, activation_precision(spec, w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
                    w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w)), trains_embeddings(spec, t))
 
     @property

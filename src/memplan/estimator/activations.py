@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from memplan.estimator.families import GATED_ACT_KERNEL, family
+from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, family
 from memplan.estimator.finetune import AdapterInput, LoraActs
 from memplan.inputs.modelspec import ModelSpec
 from memplan.estimator.rules import (
@@ -32,7 +32,9 @@ class TensorKind(Enum):
 
     OTHER = "other"
     CORE = "core"  # the attention core (QK^T, softmax, dropout, PV): selective recomputation rebuilds it
-    LOG_SOFTMAX = "log_softmax"  # the loss's saved log_softmax output, freed during the last layer's backward
+    # the loss's saved log_softmax output (and what the head saves after its matmul: Gemma 2's soft-capping
+    # tanh output), freed by the loss's backward, before the last layer's
+    LOG_SOFTMAX = "log_softmax"
     # saved only for a weight's gradient (a linear's input, RMSNorm's normalised input to its weight
     # multiply): autograd does not save it when that weight is frozen (a derivative formula's inputs are
     # saved only for the outputs that need a gradient: torch/csrc/autograd, should_compute_output)
@@ -81,10 +83,19 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     saves the normalised tensor in the input dtype."""
     h, r = spec.hidden_size, prec.residual
     if spec.norm == "layernorm":
-        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
+        return [Tensors("norm input", layernorm_input_bytes(prec) * h * T, rep=True),
+                Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
     return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True),
             Tensors("rmsnorm normalised", r * h * T, rep=True, kind=TensorKind.NORM_INPUT),
             Tensors("rmsnorm rstd", FP32 * T, rep=True)]
+
+
+def layernorm_input_bytes(prec: Precision) -> int:
+    """Width of the input a LayerNorm saves: autocast runs layer_norm in fp32 (torch 2.13
+    ATen/autocast_mode.h AT_FORALL_FP32: layer_norm, native_layer_norm), so a half residual stream (LoRA over
+    a half base, GPT-2's) is cast to fp32 first and native_layer_norm saves the cast (traced); else the
+    residual stream's width."""
+    return FP32 if prec.autocast else prec.residual
 
 
 def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
@@ -159,7 +170,8 @@ def is_core(t: Tensors) -> bool:
 
 
 def is_log_softmax(t: Tensors) -> bool:
-    """The loss's saved log_softmax output: part of head_saved, freed during the last layer's backward."""
+    """Saved by the loss (its log_softmax output, a soft-capping tanh output): part of head_saved, freed
+    before the last layer's backward."""
     return t.kind is TensorKind.LOG_SOFTMAX
 
 
@@ -279,13 +291,13 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
 
 
 def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensors]:
-    h, T, r = spec.hidden_size, b * s, prec.residual
+    h, T = spec.hidden_size, b * s
     out: list[Tensors] = []
     if spec.arch == "vision":
         pixels = b * spec.num_channels * spec.image_size ** 2
         out.append(Tensors("pixel values (patch conv input)", FP32 * pixels, rep=True))
-    if spec.arch in ("encoder", "vision") and family(spec.model_type).embedding_norm:
-        out += [Tensors("embedding norm input", r * h * T, rep=True),
+    if embedding_layernorm(spec):
+        out += [Tensors("embedding norm input", layernorm_input_bytes(prec) * h * T, rep=True),
                 Tensors("embedding norm mean/rstd", FP32 * T, 2, rep=True)]
     if spec.hidden_dropout > 0:
         out.append(Tensors("embedding dropout mask", MASK * h * T, rep=True))
@@ -321,6 +333,12 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         # (log_softmax is on its fp32 list), but half in a pure half model (traced).
         lp = p if (mlm_raw and not prec.autocast) else FP32
         saved.append(Tensors("log_softmax output", lp * T * V, kind=TensorKind.LOG_SOFTMAX))
+        if spec.final_logit_softcapping:
+            # Gemma 2's final soft-capping, logits = tanh(logits / cap) * cap (transformers 5.23
+            # models/gemma2/modeling_gemma2.py Gemma2ForCausalLM.forward): tanh saves its output, in the
+            # lm_head's output width, until the loss's backward reaches it (traced); the scalar divide and
+            # multiply save nothing
+            saved.append(Tensors("logit soft-capping tanh output", p * T * V, kind=TensorKind.LOG_SOFTMAX))
         fwd = [Tensors("logits", p * T * V)]
         if p != lp:
             fwd.append(Tensors("logits fp32 up-cast", FP32 * T * V))

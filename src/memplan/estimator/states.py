@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.families import embedding_layernorm
 from memplan.estimator.finetune import (
     FULL, Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
 )
@@ -46,16 +47,19 @@ def train_precision(w: "Workload | StatesKey") -> Precision:
     return prec
 
 
-def activation_precision(w: Workload) -> Precision:
+def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
     """The widths the activations have under the fine-tuning method (docs/finetune.md):
     - lora: the base is loaded in the half type, so the residual stream is half; under autocast the
-      half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS);
+      half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS). Where the
+      embeddings end with a LayerNorm (BERT), autocast runs it in fp32 (torch 2.13 ATen/autocast_mode.h
+      AT_FORALL_FP32) and every residual add of a half output to that fp32 stream promotes: the stream is
+      fp32 as over an fp32 base, and the precision's own row applies (traced: BertSelfOutput's add is fp32);
     - qlora: prepare_model_for_kbit_training leaves norms and embeddings in fp32, so the residual stream is
       fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
       layers cast their output back to the fp32 input's dtype, so everything is fp32."""
     prec = train_precision(w)
     if w.method == "lora" and prec.half:
-        return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast else prec
+        return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast and not embedding_layernorm(spec) else prec
     if w.method == "qlora":
         return PRECISIONS[f"{prec.half}-qlora"] if prec.autocast else PRECISIONS["fp32"]
     return prec
