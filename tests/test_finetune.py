@@ -395,3 +395,43 @@ def test_gemma2_soft_capping_saves_its_tanh_output():
     assert traced == [torch.bfloat16]
     tanh = [t for t in am.head_saved if t.name == "logit soft-capping tanh output"]
     assert [(t.nbytes, t.count) for t in tanh] == [(2 * b * s * spec.vocab_size, 1)] and is_log_softmax(tanh[0])
+
+
+def test_recorded_frozen_block_keeps_what_a_lora_base_block_keeps():
+    """freeze over a tied head trains the embedding matrix, so the frozen blocks record too: with only their
+    input requiring a gradient they keep no input of their frozen linears and no RMSNorm normalised tensor.
+    A trained block saves exactly the estimate's layer minus its frozen_layer more than a frozen one (tiny
+    llama, 3 blocks, the last trained; the first block also holds the shared rotary tables)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.estimator.activations import TensorKind
+    from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.run import make_batch, setup
+
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    b, s = 2, 16
+    w = Workload(method="freeze", trainable_layers=1, precision="bf16", micro_batch=b, seq_len=s, attn="sdpa")
+    per_block: dict[int | None, int] = {}
+    seen: set[int] = set()
+    running: list[int | None] = [None]
+
+    def pack(t):
+        if id(t.untyped_storage()) not in seen:  # a storage counts for the block that saved it first
+            seen.add(id(t.untyped_storage()))
+            per_block[running[0]] = per_block.get(running[0], 0) + t.untyped_storage().nbytes()
+        return t
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")
+        model, head, _, dtype = setup(cfg, "causal-lm", w, "meta")
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(lambda m, a, i=i: running.__setitem__(0, i))
+            block.register_forward_hook(lambda m, a, o: running.__setitem__(0, None))
+        batch = make_batch(model, head, b, s, dtype, "cpu")
+        with CudaSemantics(torch.bfloat16, (8, 0), fake=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**batch)
+    am = ActsKey.of(spec_from_config(cfg, "tiny-llama", head="causal-lm"), w).model(b)
+    assert am.frozen_layer and not {TensorKind.WEIGHT_INPUT, TensorKind.NORM_INPUT} & {t.kind for t in am.frozen_layer}
+    assert per_block[2] - per_block[1] == sum(t.total for t in am.layer) - sum(t.total for t in am.frozen_layer) > 0

@@ -71,6 +71,9 @@ class ActivationModel:
     loss_forward: list[Tensors]  # transient while the loss is computed (half + fp32 logits)
     loss_backward: list[Tensors]  # transient at the start of backward (loss gradient chain)
     infer_working: list[Tensors] = field(default_factory=list)  # one layer's no-grad working set
+    # freeze: what a frozen block autograd records keeps (frozen_block), encoder-or-decoder-only and decoder
+    frozen_layer: list[Tensors] = field(default_factory=list)
+    frozen_decoder_layer: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -407,14 +410,20 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
     return out
 
 
-def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:
-    """A frozen base keeps none of the tensors saved only for its weights' gradients, except that
-    bitsandbytes' LLM.int8 matmul keeps its input whatever the weight (ctx.A in autograd/_functions.py
-    MatMul8bitFp; MatMul8bitLt keeps the int8 input and the outlier columns)."""
-    if lora is None:
-        return ts
-    dropped = (TensorKind.NORM_INPUT,) if lora.int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
+def frozen_block(ts: list[Tensors], int8: bool = False) -> list[Tensors]:
+    """What frozen weights leave of a block's saved tensors when its input requires a gradient (LoRA's base,
+    freeze's blocks before the trained ones when a trained embedding makes them record): none of the tensors
+    saved only for a weight's gradient (kinds WEIGHT_INPUT, NORM_INPUT; autograd saves a derivative formula's
+    input only for the outputs that need a gradient), except that bitsandbytes' LLM.int8 matmul keeps its
+    input whatever the weight (ctx.A in autograd/_functions.py MatMul8bitFp; MatMul8bitLt keeps the int8
+    input and the outlier columns)."""
+    dropped = (TensorKind.NORM_INPUT,) if int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
     return [t for t in ts if t.kind not in dropped]
+
+
+def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:
+    """Under LoRA / QLoRA every block is a frozen one (with adapters, lora_terms)."""
+    return ts if lora is None else frozen_block(ts, lora.int8)
 
 
 def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
@@ -430,20 +439,23 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
                          sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False,
-                         lora: LoraActs | None = None, embed_grad: bool = True) -> ActivationModel:
+                         lora: LoraActs | None = None, embed_grad: bool = True,
+                         frozen_blocks: bool = False) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
     tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
     and MLP. lora: the base is frozen and these adapters are trained (estimator/finetune.py);
-    embed_grad: the embeddings' output requires a gradient (else their list is empty)."""
+    embed_grad: the embeddings' output requires a gradient (else their list is empty); frozen_blocks
+    (freeze): autograd records frozen blocks too (their lists: frozen_block)."""
     if spec.arch == "vision":
         s = spec.seq_positions
     T = b * s
     # the attention core is rebuilt in backward only under selective recomputation
     core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
-    layer = _tuned(_layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp), lora)
-    dec = _tuned(_layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective), lora) \
+    block = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
+    dec_block = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) \
         if spec.num_decoder_layers else []
+    layer, dec = _tuned(block, lora), _tuned(dec_block, lora)
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     saved_head = _tuned(saved_head, lora)
     if lora is not None:
@@ -462,6 +474,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),
+        frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
+        frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
     )
 
 

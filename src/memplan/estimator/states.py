@@ -129,6 +129,8 @@ class StageStates(NamedTuple):
     n_dec: int
     grad_enc: int  # ... of which autograd keeps activations for (freeze: the trained blocks)
     grad_dec: int
+    frozen_enc: int = 0  # freeze: frozen blocks autograd records (a frozen block's activations)
+    frozen_dec: int = 0
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -179,23 +181,25 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
     kept = [g for g in groups if cast_kept(k.spec, k.tuning, g)]
     copies = autocast_copies(kept, tied_cast, prec) if prec.autocast else (0, 0, 0)
-    g_enc, g_dec = _grad_layers(spec, k.tuning, enc, dec)
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
                        _head_grads(groups, tied, prec.grad), segments_of(_persistent_tensors(k, groups)),
-                       numel(list(groups)), enc, dec, g_enc, g_dec)
+                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec))
 
 
-def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int]:
-    """The layers whose activations autograd keeps: freeze trains the last K blocks of the stack next to the
-    head, and the frozen blocks before them record nothing unless a trained embedding makes their input
-    require a gradient (finetune.records_frozen_blocks). Recorded frozen blocks are counted with a trained
-    block's activations, an over-estimate: they keep no input of their frozen linears."""
-    if records_frozen_blocks(spec, t):
-        return enc, dec
-    if spec.num_decoder_layers:
-        return 0, min(t.trainable_layers, dec)
-    return min(t.trainable_layers, enc), dec
+def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int, int, int]:
+    """(trained encoder-or-decoder-only, trained decoder, recorded frozen encoder, recorded frozen decoder)
+    layers: freeze trains the last K blocks of the stack next to the head, and the frozen blocks before them
+    record nothing unless a trained embedding makes their input require a gradient
+    (finetune.records_frozen_blocks); recorded, they keep a frozen block's activations
+    (activations.frozen_block). Under LoRA every block is a frozen one with adapters (its own activations)."""
+    if t.method != "freeze":
+        return enc, dec, 0, 0
+    trained_dec = min(t.trainable_layers, dec) if spec.num_decoder_layers else dec
+    trained_enc = 0 if spec.num_decoder_layers else min(t.trainable_layers, enc)
+    if not records_frozen_blocks(spec, t):
+        return trained_enc, trained_dec, 0, 0
+    return trained_enc, trained_dec, enc - trained_enc, dec - trained_dec
 
 
 def _tied(spec: ModelSpec, k: StatesKey, groups, prec: Precision) -> tuple[int, int]:
