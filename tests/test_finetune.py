@@ -312,3 +312,126 @@ def test_t5_keeps_wo_unquantised(tmp_path):
     real = {module_path(n) for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
     assert real == {g.module for g in spec.params if quantised(spec, g)}
     assert not any(p.endswith(".wo") for p in real)
+
+
+# -- 4. What a frozen half base saves under autocast (estimator/activations.py) --------------------------
+def tiny_config(name: str, **sizes) -> dict:
+    cfg = dict(get_entry(name).config)
+    cfg.pop("layer_types", None)  # gemma2: derived from num_hidden_layers again
+    return cfg | sizes
+
+
+SAVED_CASES = {  # 2 blocks, hidden 64, vocabulary 256
+    "gpt2": (tiny_config("gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64), "causal-lm"),
+    "bert-base": (tiny_config("bert-base", num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                              intermediate_size=128, vocab_size=256), "sequence-classification"),
+    "gemma-2-2b": (tiny_config("gemma-2-2b", num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=32, intermediate_size=128, vocab_size=256), "causal-lm"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def saved_in_forward(name: str, b: int = 2, s: int = 16) -> tuple[tuple[tuple, torch.dtype], ...]:
+    """(shape, dtype) of every storage autograd saves in one LoRA forward over a bf16 base under CUDA's bf16
+    autocast (verify's CudaSemantics, fake tensors), as verify builds the model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.run import make_batch, setup
+
+    cfg, head = SAVED_CASES[name]
+    w = Workload(method="lora", precision="bf16", micro_batch=b, seq_len=s, attn="eager")
+    saved: dict[int, tuple[tuple, torch.dtype]] = {}
+
+    def pack(t):
+        saved.setdefault(id(t.untyped_storage()), (tuple(t.shape), t.dtype))
+        return t
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")
+        model, head, _, dtype = setup(cfg, head, w, "meta")
+        batch = make_batch(model, head, b, s, dtype, "cpu")
+        with CudaSemantics(torch.bfloat16, (8, 0), fake=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**batch)
+    return tuple(saved.values())
+
+
+def lora_activations(name: str, b: int = 2, s: int = 16):
+    from memplan.estimator.activation_arrays import ActsKey
+
+    cfg, head = SAVED_CASES[name]
+    spec = spec_from_config(cfg, name, head=head)
+    return spec, ActsKey.of(spec, Workload(method="lora", precision="bf16", micro_batch=b, seq_len=s,
+                                           attn="eager")).model(b)
+
+
+@pytest.mark.parametrize("name, unsaved", [("gpt2", 1), ("bert-base", 0)])
+def test_layernorm_saves_an_fp32_input_over_a_half_base(name, unsaved):
+    """Autocast runs layer_norm in fp32: GPT-2's bf16 residual stream is cast and native_layer_norm saves the
+    cast; BERT's stream is fp32 from its embeddings' LayerNorm on (its half outputs promote when added). The
+    estimate's norm inputs are these fp32 tensors, per norm. GPT-2's first ln_1 saves nothing (its input does
+    not require a gradient before the first adapter: the known gap in docs/finetune.md)."""
+    b, s = 2, 16
+    spec, am = lora_activations(name, b, s)
+    h, T = spec.hidden_size, b * s
+    traced = [dt for shape, dt in saved_in_forward(name, b, s) if shape == (b, s, h) and dt.is_floating_point]
+    assert traced and all(dt == torch.float32 for dt in traced)  # no half (b, s, h) tensor is saved
+    norms = [t for t in am.layer + am.head_saved if t.name == "norm input"]
+    assert all(t.nbytes == 4 * h * T for t in norms)
+    per_layer = sum(t.count for t in am.layer if t.name == "norm input")
+    head_norms = sum(t.count for t in am.head_saved if t.name == "norm input")
+    assert len(traced) == spec.num_layers * per_layer + head_norms - unsaved
+
+
+def test_gemma2_soft_capping_saves_its_tanh_output():
+    """Gemma2ForCausalLM: logits = tanh(logits / cap) * cap; tanh saves its output (b, s, V) in the lm_head's
+    output dtype until the loss's backward: the estimate's head term, which goes with the log-softmax output."""
+    from memplan.estimator.activations import is_log_softmax
+
+    b, s = 2, 16
+    spec, am = lora_activations("gemma-2-2b", b, s)
+    assert spec.final_logit_softcapping
+    traced = [dt for shape, dt in saved_in_forward("gemma-2-2b", b, s) if shape == (b, s, spec.vocab_size)]
+    assert traced == [torch.bfloat16]
+    tanh = [t for t in am.head_saved if t.name == "logit soft-capping tanh output"]
+    assert [(t.nbytes, t.count) for t in tanh] == [(2 * b * s * spec.vocab_size, 1)] and is_log_softmax(tanh[0])
+
+
+def test_recorded_frozen_block_keeps_what_a_lora_base_block_keeps():
+    """freeze over a tied head trains the embedding matrix, so the frozen blocks record too: with only their
+    input requiring a gradient they keep no input of their frozen linears and no RMSNorm normalised tensor.
+    A trained block saves exactly the estimate's layer minus its frozen_layer more than a frozen one (tiny
+    llama, 3 blocks, the last trained; the first block also holds the shared rotary tables)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.estimator.activations import TensorKind
+    from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.run import make_batch, setup
+
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    b, s = 2, 16
+    w = Workload(method="freeze", trainable_layers=1, precision="bf16", micro_batch=b, seq_len=s, attn="sdpa")
+    per_block: dict[int | None, int] = {}
+    seen: set[int] = set()
+    running: list[int | None] = [None]
+
+    def pack(t):
+        if id(t.untyped_storage()) not in seen:  # a storage counts for the block that saved it first
+            seen.add(id(t.untyped_storage()))
+            per_block[running[0]] = per_block.get(running[0], 0) + t.untyped_storage().nbytes()
+        return t
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")
+        model, head, _, dtype = setup(cfg, "causal-lm", w, "meta")
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(lambda m, a, i=i: running.__setitem__(0, i))
+            block.register_forward_hook(lambda m, a, o: running.__setitem__(0, None))
+        batch = make_batch(model, head, b, s, dtype, "cpu")
+        with CudaSemantics(torch.bfloat16, (8, 0), fake=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**batch)
+    am = ActsKey.of(spec_from_config(cfg, "tiny-llama", head="causal-lm"), w).model(b)
+    assert am.frozen_layer and not {TensorKind.WEIGHT_INPUT, TensorKind.NORM_INPUT} & {t.kind for t in am.frozen_layer}
+    assert per_block[2] - per_block[1] == sum(t.total for t in am.layer) - sum(t.total for t in am.frozen_layer) > 0

@@ -65,14 +65,23 @@ def test_paged_optimizer_states_count_in_device_used_only():
 
 def test_freeze_saves_activations_of_the_trained_blocks_only():
     """Untied head: the frozen blocks before the trained ones see no tensor that requires a gradient. A tied
-    head trains the embedding matrix, so every block records (finetune.records_frozen_blocks)."""
+    head trains the embedding matrix, so every block records (finetune.records_frozen_blocks), a frozen one
+    without its linears' inputs and RMSNorm's normalised tensors (tests/test_finetune.py traces it)."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.estimator.allocation import round_block
+    from memplan.inputs.workload import Workload
+
     kw = dict(micro_batch=8, seq_len=2048, precision="bf16")  # the peak in backward, activations held
     two = api.estimate("llama-3.1-8b", "a100-80g", method="freeze", trainable_layers=2, **kw)
     eight = api.estimate("llama-3.1-8b", "a100-80g", method="freeze", trainable_layers=8, **kw)
     per_layer = sum(two.activations_per_layer.values())
     assert eight.breakdown["activations"] - two.breakdown["activations"] == pytest.approx(6 * per_layer, rel=0.01)
     tied = [api.estimate("llama-3.2-1b", "a100-80g", method="freeze", trainable_layers=k, **kw) for k in (2, 8)]
-    assert tied[0].breakdown["activations"] == tied[1].breakdown["activations"]
+    am = ActsKey.of(api.resolve_spec("llama-3.2-1b", None, False), Workload(method="freeze", trainable_layers=2, **kw)).model(8)
+    sizes = lambda ts: sum(int(round_block(t.nbytes)) * t.count for t in ts)  # noqa: E731
+    weight_inputs = sizes(am.layer) - sizes(am.frozen_layer)
+    assert weight_inputs > 0
+    assert tied[1].breakdown["activations"] - tied[0].breakdown["activations"] == 6 * weight_inputs
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -114,3 +123,17 @@ def test_qlora_says_which_parameters_4bit_leaves_alone():
     assert moe.breakdown["weights"] > 45e9 * 4  # fp32 experts
     dense = api.estimate("llama-3.1-8b", "h100", method="qlora", seq_len=256)
     assert not any(n.startswith("4-bit quantisation leaves") for n in dense.notes)
+
+
+@pytest.mark.parametrize("model, stream_bytes", [("bert-base", 4), ("gpt2", 2)])
+def test_lora_residual_stream_is_fp32_after_an_embedding_layernorm(model, stream_bytes):
+    """Over a bf16 base under autocast, BERT's embeddings end with a LayerNorm that autocast runs in fp32, and
+    each half output added to that stream promotes: what full checkpointing keeps per layer is fp32. GPT-2's
+    embeddings are a bf16 sum, and its stream stays bf16 (tests/test_finetune.py traces the saved norms)."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.inputs.workload import Workload
+
+    spec = api.resolve_spec(model, None, False)
+    w = Workload(method="lora", precision="bf16", micro_batch=2, seq_len=256, grad_ckpt="full")
+    kept = ActsKey.of(spec, w).model(2).layer_input
+    assert [t.nbytes for t in kept] == [stream_bytes * spec.hidden_size * 2 * 256]

@@ -18,7 +18,9 @@ import numpy as np
 
 from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
 from memplan.estimator.rules import PRECISIONS
-from memplan.estimator.finetune import LoraActs, Tuning, compute_bytes, lora_acts, trains_embeddings
+from memplan.estimator.finetune import (
+    LoraActs, Tuning, compute_bytes, lora_acts, records_frozen_blocks, trains_embeddings,
+)
 from memplan.estimator.states import CACHE_SIZE, activation_precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
@@ -26,7 +28,7 @@ from memplan.inputs.workload import Workload
 # The lists of an activation model the step sums (ActivationModel's fields; lsm: the loss's saved
 # log-softmax output within head_saved, freed during the last layer's backward).
 LISTS = ("layer", "decoder_layer", "embed", "head_saved", "lsm", "layer_input", "layer_core", "loss_forward",
-         "loss_backward", "layer_backward")
+         "loss_backward", "layer_backward", "frozen_layer", "frozen_decoder_layer")
 LIST = {name: i for i, name in enumerate(LISTS)}
 
 
@@ -43,13 +45,15 @@ class ActsKey(NamedTuple):
     tiled_mlp: bool
     lora: LoraActs | None = None  # the frozen base's adapters (estimator/finetune.py)
     embed_grad: bool = True  # the embeddings' output requires a gradient
+    frozen_blocks: bool = False  # freeze: autograd records frozen blocks (finetune.records_frozen_blocks)
     mb: int = 0
 
     @classmethod
     def of(cls, spec: ModelSpec, w: Workload) -> "ActsKey":
         t = Tuning.of(w)
-        return cls(spec, w.seq_len, activation_precision(w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
-                   w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w)), trains_embeddings(spec, t))
+        return cls(spec, w.seq_len, activation_precision(spec, w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
+                   w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w)), trains_embeddings(spec, t),
+                   t.method == "freeze" and records_frozen_blocks(spec, t))
 
     @property
     def affine(self) -> bool:
@@ -59,7 +63,8 @@ class ActsKey(NamedTuple):
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,
-                                    tiled_mlp=self.tiled_mlp, lora=self.lora, embed_grad=self.embed_grad)
+                                    tiled_mlp=self.tiled_mlp, lora=self.lora, embed_grad=self.embed_grad,
+                                    frozen_blocks=self.frozen_blocks)
 
 
 class Units(NamedTuple):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from memplan.estimator.families import GATED_ACT_KERNEL, family
+from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, family
 from memplan.estimator.finetune import AdapterInput, LoraActs
 from memplan.inputs.modelspec import ModelSpec
 from memplan.estimator.rules import (
@@ -32,7 +32,9 @@ class TensorKind(Enum):
 
     OTHER = "other"
     CORE = "core"  # the attention core (QK^T, softmax, dropout, PV): selective recomputation rebuilds it
-    LOG_SOFTMAX = "log_softmax"  # the loss's saved log_softmax output, freed during the last layer's backward
+    # the loss's saved log_softmax output (and what the head saves after its matmul: Gemma 2's soft-capping
+    # tanh output), freed by the loss's backward, before the last layer's
+    LOG_SOFTMAX = "log_softmax"
     # saved only for a weight's gradient (a linear's input, RMSNorm's normalised input to its weight
     # multiply): autograd does not save it when that weight is frozen (a derivative formula's inputs are
     # saved only for the outputs that need a gradient: torch/csrc/autograd, should_compute_output)
@@ -69,6 +71,9 @@ class ActivationModel:
     loss_forward: list[Tensors]  # transient while the loss is computed (half + fp32 logits)
     loss_backward: list[Tensors]  # transient at the start of backward (loss gradient chain)
     infer_working: list[Tensors] = field(default_factory=list)  # one layer's no-grad working set
+    # freeze: what a frozen block autograd records keeps (frozen_block), encoder-or-decoder-only and decoder
+    frozen_layer: list[Tensors] = field(default_factory=list)
+    frozen_decoder_layer: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -81,10 +86,19 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     saves the normalised tensor in the input dtype."""
     h, r = spec.hidden_size, prec.residual
     if spec.norm == "layernorm":
-        return [Tensors("norm input", r * h * T, rep=True), Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
+        return [Tensors("norm input", layernorm_input_bytes(prec) * h * T, rep=True),
+                Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
     return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True),
             Tensors("rmsnorm normalised", r * h * T, rep=True, kind=TensorKind.NORM_INPUT),
             Tensors("rmsnorm rstd", FP32 * T, rep=True)]
+
+
+def layernorm_input_bytes(prec: Precision) -> int:
+    """Width of the input a LayerNorm saves: autocast runs layer_norm in fp32 (torch 2.13
+    ATen/autocast_mode.h AT_FORALL_FP32: layer_norm, native_layer_norm), so a half residual stream (LoRA over
+    a half base, GPT-2's) is cast to fp32 first and native_layer_norm saves the cast (traced); else the
+    residual stream's width."""
+    return FP32 if prec.autocast else prec.residual
 
 
 def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: str) -> list[Tensors]:
@@ -159,7 +173,8 @@ def is_core(t: Tensors) -> bool:
 
 
 def is_log_softmax(t: Tensors) -> bool:
-    """The loss's saved log_softmax output: part of head_saved, freed during the last layer's backward."""
+    """Saved by the loss (its log_softmax output, a soft-capping tanh output): part of head_saved, freed
+    before the last layer's backward."""
     return t.kind is TensorKind.LOG_SOFTMAX
 
 
@@ -279,13 +294,13 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
 
 
 def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensors]:
-    h, T, r = spec.hidden_size, b * s, prec.residual
+    h, T = spec.hidden_size, b * s
     out: list[Tensors] = []
     if spec.arch == "vision":
         pixels = b * spec.num_channels * spec.image_size ** 2
         out.append(Tensors("pixel values (patch conv input)", FP32 * pixels, rep=True))
-    if spec.arch in ("encoder", "vision") and family(spec.model_type).embedding_norm:
-        out += [Tensors("embedding norm input", r * h * T, rep=True),
+    if embedding_layernorm(spec):
+        out += [Tensors("embedding norm input", layernorm_input_bytes(prec) * h * T, rep=True),
                 Tensors("embedding norm mean/rstd", FP32 * T, 2, rep=True)]
     if spec.hidden_dropout > 0:
         out.append(Tensors("embedding dropout mask", MASK * h * T, rep=True))
@@ -321,6 +336,12 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         # (log_softmax is on its fp32 list), but half in a pure half model (traced).
         lp = p if (mlm_raw and not prec.autocast) else FP32
         saved.append(Tensors("log_softmax output", lp * T * V, kind=TensorKind.LOG_SOFTMAX))
+        if spec.final_logit_softcapping:
+            # Gemma 2's final soft-capping, logits = tanh(logits / cap) * cap (transformers 5.23
+            # models/gemma2/modeling_gemma2.py Gemma2ForCausalLM.forward): tanh saves its output, in the
+            # lm_head's output width, until the loss's backward reaches it (traced); the scalar divide and
+            # multiply save nothing
+            saved.append(Tensors("logit soft-capping tanh output", p * T * V, kind=TensorKind.LOG_SOFTMAX))
         fwd = [Tensors("logits", p * T * V)]
         if p != lp:
             fwd.append(Tensors("logits fp32 up-cast", FP32 * T * V))
@@ -389,14 +410,20 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
     return out
 
 
-def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:
-    """A frozen base keeps none of the tensors saved only for its weights' gradients, except that
-    bitsandbytes' LLM.int8 matmul keeps its input whatever the weight (ctx.A in autograd/_functions.py
-    MatMul8bitFp; MatMul8bitLt keeps the int8 input and the outlier columns)."""
-    if lora is None:
-        return ts
-    dropped = (TensorKind.NORM_INPUT,) if lora.int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
+def frozen_block(ts: list[Tensors], int8: bool = False) -> list[Tensors]:
+    """What frozen weights leave of a block's saved tensors when its input requires a gradient (LoRA's base,
+    freeze's blocks before the trained ones when a trained embedding makes them record): none of the tensors
+    saved only for a weight's gradient (kinds WEIGHT_INPUT, NORM_INPUT; autograd saves a derivative formula's
+    input only for the outputs that need a gradient), except that bitsandbytes' LLM.int8 matmul keeps its
+    input whatever the weight (ctx.A in autograd/_functions.py MatMul8bitFp; MatMul8bitLt keeps the int8
+    input and the outlier columns)."""
+    dropped = (TensorKind.NORM_INPUT,) if int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
     return [t for t in ts if t.kind not in dropped]
+
+
+def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:
+    """Under LoRA / QLoRA every block is a frozen one (with adapters, lora_terms)."""
+    return ts if lora is None else frozen_block(ts, lora.int8)
 
 
 def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
@@ -412,20 +439,23 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
                          sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False,
-                         lora: LoraActs | None = None, embed_grad: bool = True) -> ActivationModel:
+                         lora: LoraActs | None = None, embed_grad: bool = True,
+                         frozen_blocks: bool = False) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
     tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
     and MLP. lora: the base is frozen and these adapters are trained (estimator/finetune.py);
-    embed_grad: the embeddings' output requires a gradient (else their list is empty)."""
+    embed_grad: the embeddings' output requires a gradient (else their list is empty); frozen_blocks
+    (freeze): autograd records frozen blocks too (their lists: frozen_block)."""
     if spec.arch == "vision":
         s = spec.seq_positions
     T = b * s
     # the attention core is rebuilt in backward only under selective recomputation
     core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
-    layer = _tuned(_layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp), lora)
-    dec = _tuned(_layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective), lora) \
+    block = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
+    dec_block = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) \
         if spec.num_decoder_layers else []
+    layer, dec = _tuned(block, lora), _tuned(dec_block, lora)
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     saved_head = _tuned(saved_head, lora)
     if lora is not None:
@@ -444,6 +474,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),
+        frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
+        frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
     )
 
 

@@ -149,6 +149,12 @@ def model_types(has: Callable[[Family], object]) -> tuple[str, ...]:
     return tuple(sorted(mt for mt, f in FAMILIES.items() if has(f)))
 
 
+def embedding_layernorm(spec: ModelSpec) -> bool:
+    """The embeddings end with a LayerNorm (an encoder's, BERT's): under autocast its output, and so the
+    residual stream after it, is fp32 (estimator/states.py activation_precision)."""
+    return spec.arch in ("encoder", "vision") and family(spec.model_type).embedding_norm
+
+
 def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
     """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
     fam = family(spec.model_type)

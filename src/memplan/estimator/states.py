@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.families import embedding_layernorm
 from memplan.estimator.finetune import (
     FULL, Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
 )
@@ -46,10 +47,13 @@ def train_precision(w: "Workload | StatesKey") -> Precision:
     return prec
 
 
-def activation_precision(w: Workload) -> Precision:
+def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
     """The widths the activations have under the fine-tuning method (docs/finetune.md):
     - lora: the base is loaded in the half type, so the residual stream is half; under autocast the
-      half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS);
+      half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS). Where the
+      embeddings end with a LayerNorm (BERT), autocast runs it in fp32 (torch 2.13 ATen/autocast_mode.h
+      AT_FORALL_FP32) and every residual add of a half output to that fp32 stream promotes: the stream is
+      fp32 as over an fp32 base, and the precision's own row applies (traced: BertSelfOutput's add is fp32);
     - qlora: prepare_model_for_kbit_training leaves norms and embeddings in fp32, so the residual stream is
       fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
       layers cast their output back to the fp32 input's dtype, so everything is fp32. Under DeepSpeed the
@@ -57,7 +61,7 @@ def activation_precision(w: Workload) -> Precision:
       forward's inputs to it (MixedPrecisionPolicy cast_forward_inputs): a half model, pure half."""
     prec = train_precision(w)
     if w.method == "lora" and prec.half:
-        return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast else prec
+        return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast and not embedding_layernorm(spec) else prec
     if w.method == "qlora" and not half_model(w):
         return PRECISIONS[f"{prec.half}-qlora"] if prec.autocast else PRECISIONS["fp32"]
     return prec
@@ -127,6 +131,8 @@ class StageStates(NamedTuple):
     n_dec: int
     grad_enc: int  # ... of which autograd keeps activations for (freeze: the trained blocks)
     grad_dec: int
+    frozen_enc: int = 0  # freeze: frozen blocks autograd records (a frozen block's activations)
+    frozen_dec: int = 0
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -178,23 +184,25 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
     kept = [g for g in groups if cast_kept(k.spec, k.tuning, g)]
     copies = autocast_copies(kept, tied_cast, prec) if prec.autocast else (0, 0, 0)
-    g_enc, g_dec = _grad_layers(spec, k.tuning, enc, dec)
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
                        _head_grads(groups, tied, prec.grad), segments_of(_persistent_tensors(k, groups)),
-                       numel(list(groups)), enc, dec, g_enc, g_dec)
+                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec))
 
 
-def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int]:
-    """The layers whose activations autograd keeps: freeze trains the last K blocks of the stack next to the
-    head, and the frozen blocks before them record nothing unless a trained embedding makes their input
-    require a gradient (finetune.records_frozen_blocks). Recorded frozen blocks are counted with a trained
-    block's activations, an over-estimate: they keep no input of their frozen linears."""
-    if records_frozen_blocks(spec, t):
-        return enc, dec
-    if spec.num_decoder_layers:
-        return 0, min(t.trainable_layers, dec)
-    return min(t.trainable_layers, enc), dec
+def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int, int, int]:
+    """(trained encoder-or-decoder-only, trained decoder, recorded frozen encoder, recorded frozen decoder)
+    layers: freeze trains the last K blocks of the stack next to the head, and the frozen blocks before them
+    record nothing unless a trained embedding makes their input require a gradient
+    (finetune.records_frozen_blocks); recorded, they keep a frozen block's activations
+    (activations.frozen_block). Under LoRA every block is a frozen one with adapters (its own activations)."""
+    if t.method != "freeze":
+        return enc, dec, 0, 0
+    trained_dec = min(t.trainable_layers, dec) if spec.num_decoder_layers else dec
+    trained_enc = 0 if spec.num_decoder_layers else min(t.trainable_layers, enc)
+    if not records_frozen_blocks(spec, t):
+        return trained_enc, trained_dec, 0, 0
+    return trained_enc, trained_dec, enc - trained_enc, dec - trained_dec
 
 
 def _tied(spec: ModelSpec, k: StatesKey, groups, prec: Precision) -> tuple[int, int]:

@@ -66,6 +66,7 @@ class StageCells(NamedTuple):
     persistent: np.ndarray  # the persistent tensors' segments
     flight: np.ndarray  # micro batches in flight (float: the interleaved schedule's average)
     copies: np.ndarray  # per-layer activation sets held: layers x micro batches in flight
+    frozen_copies: np.ndarray  # ... of which recorded frozen blocks' (freeze)
     n_layers: int
 
 
@@ -108,14 +109,17 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     st = _states(spec, bases, stage, ms)
     sa = _activation_sums(sums, stack.rows, stage == 0, stage == bases[0].pp - 1)
     n_layers = int(st["n_enc"][0, 0] + st["n_dec"][0, 0])
-    n_enc, n_dec = st["grad_enc"], st["grad_dec"]  # (B, K) the layers autograd records (freeze: fewer)
+    n_enc, n_dec = st["grad_enc"], st["grad_dec"]  # (B, K) the trained layers autograd records (freeze: fewer)
+    f_enc, f_dec = st["frozen_enc"], st["frozen_dec"]  # freeze: the frozen blocks it records too
+    recorded = n_enc + n_dec + f_enc + f_dec
     flight = in_flight(bases, stage, ms)
     flags = np.array([(w.grad_ckpt == "full", w.grad_ckpt == "selective", w.tiled_mlp, w.zero_grad == "zeros")
                       for w in bases])  # (B, 4)
     full, selective, tiled, zeros = (flags[:, i:i + 1] for i in range(4))
     layer, dec = sa["layer"], sa["decoder_layer"]
-    acts_full = flight * ((n_enc + n_dec) * sa["layer_input"] + sa["embed"]) + sa["head_saved"]
-    acts_rest = flight * (n_enc * layer + n_dec * dec + sa["embed"]) + sa["head_saved"]
+    acts_full = flight * (recorded * sa["layer_input"] + sa["embed"]) + sa["head_saved"]
+    acts_rest = flight * (n_enc * layer + n_dec * dec + f_enc * sa["frozen_layer"] + f_dec * sa["frozen_decoder_layer"]
+                          + sa["embed"]) + sa["head_saved"]
     acts = np.where(full, acts_full, acts_rest).astype(np.int64)  # int() of a positive float truncates
     # full: one layer's activations rebuilt during its backward; selective: one layer's attention core
     recompute = np.where(full, np.maximum(layer, dec), np.where(selective, sa["layer_core"], 0))
@@ -139,10 +143,12 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
         np.where(tied_sum > 0, after_backward + tied_sum, -1),
     ])
     transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, np.zeros((B, K), np.int64), tied_sum])
-    copies = (n_enc + n_dec) * np.maximum(1, np.round(flight)).astype(np.int64)
+    held = np.maximum(1, np.round(flight)).astype(np.int64)
+    copies, frozen_copies = recorded * held, (f_enc + f_dec) * held
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
-                      acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies, n_layers)
+                      acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies, frozen_copies,
+                      n_layers)
 
 
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:
@@ -236,14 +242,17 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     B, K = moment.shape
     top = int(c.copies.max()) + 1
     code = ((np.broadcast_to(stack.rows[:, None], (B, K)) * K + np.arange(K)) * len(PHASES) + moment) * top + c.copies
+    code = code * top + c.frozen_copies  # frozen_copies <= copies
     uniq, inv = np.unique(code[sel], return_inverse=True)
-    rest, copies = np.divmod(uniq, top)
+    rest, frozen = np.divmod(uniq, top)
+    rest, copies = np.divmod(rest, top)
     rest, mom = np.divmod(rest, len(PHASES))
     r, k = np.divmod(rest, K)
     first, last = stage == 0, stage == pp - 1
     mult = np.zeros((len(uniq), len(A.LISTS)), np.int64)  # how many of each list are alive
     full = stack.full[r]  # full checkpointing holds each layer's input instead of its activations
-    mult[:, A.LIST["layer"]] = np.where(full, 0, copies)
+    mult[:, A.LIST["layer"]] = np.where(full, 0, copies - frozen)
+    mult[:, A.LIST["frozen_layer"]] = np.where(full, 0, frozen)
     mult[:, A.LIST["layer_input"]] = np.where(full, copies, 0)
     mult[:, A.LIST["embed"]] = first
     if last:
