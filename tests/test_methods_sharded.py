@@ -163,3 +163,16 @@ def test_suggest_combines_methods_with_zero_and_fsdp():
     assert s.plans and all(p.workload.method == "lora" for p in s.plans)
     shardings = {(p.zero_stage, p.fsdp) for p in s.plans + s.pareto}
     assert any(z == 3 or f in ("full-shard", "shard-grad-op") for z, f in shardings), shardings
+
+
+def test_lora_adapters_compute_in_half_in_a_half_model():
+    # DeepSpeed casts the fp32 adapters to half; FSDP2 gathers them in param_dtype: lora_A saves the half
+    # input it shares with the other adapted linears reading it, and the rank-r intermediate is half
+    one = api.estimate("llama-3.1-8b", "a100-80g", method="lora", micro_batch=1, seq_len=512, precision="bf16-pure")
+    assert one.activations_per_layer["lora: A input (cast to the adapters' width)"] == 2 * 4 * 512 * 4096  # q, v
+    for kw in (dict(zero=3), dict(zero=2), dict(fsdp="full-shard")):
+        e = api.estimate("llama-3.1-8b", "a100-80g", method="lora", micro_batch=1, seq_len=512, precision="bf16",
+                         gpus=4, **kw)
+        terms = {k: v for k, v in e.activations_per_layer.items() if k.startswith("lora")}
+        assert terms == {"lora: A input (the linear's input)": 2 * 512 * 4096,
+                         "lora: rank-r intermediate (B input)": 2 * 2 * 512 * 8}, kw

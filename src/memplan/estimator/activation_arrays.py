@@ -17,11 +17,11 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
-from memplan.estimator.rules import PRECISIONS
+from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.estimator.finetune import (
     LoraActs, Tuning, compute_bytes, lora_acts, records_frozen_blocks, trains_embeddings,
 )
-from memplan.estimator.states import CACHE_SIZE, activation_precision
+from memplan.estimator.states import CACHE_SIZE, activation_precision, half_model
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
@@ -52,7 +52,8 @@ class ActsKey(NamedTuple):
     def of(cls, spec: ModelSpec, w: Workload) -> "ActsKey":
         t = Tuning.of(w)
         return cls(spec, w.seq_len, activation_precision(spec, w).name, w.attn == "eager", w.grad_ckpt, w.kernels,
-                   w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w)), trains_embeddings(spec, t),
+                   w.tiled_mlp, lora_acts(spec, t, w.lora_dropout, compute_bytes(w), HALF if half_model(w) else FP32),
+                   trains_embeddings(spec, t),
                    t.method == "freeze" and records_frozen_blocks(spec, t))
 
     @property

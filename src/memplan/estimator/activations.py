@@ -385,25 +385,28 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
 def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora: LoraActs) -> list[Tensors]:
     """What PEFT's LoRA layers save, for the adapted linears of one block (peft 0.21 tuners/lora/layer.py
     Linear.forward: x = x.to(lora_A.weight.dtype); result + lora_B(lora_A(dropout(x))) * scaling; the
-    bitsandbytes layers in tuners/lora/bnb.py cast only without autocast). Adapters are fp32.
+    bitsandbytes layers in tuners/lora/bnb.py cast only without autocast). Adapters are fp32, or half in
+    a half model (lora.adapter_bytes).
     - Under autocast, lora_A's matmul casts its input to half: one copy per adapted linear, saved.
-    - Without autocast, a half input is cast to fp32 per adapted linear (saved by lora_A); an fp32
-      input is saved once for the linears that read it, unless dropout makes one output per linear.
+    - Without autocast, an input of another width than the adapters' is cast per adapted linear (saved by
+      lora_A); an input of their width is saved once for the linears that read it, unless dropout makes
+      one output per linear.
     - Dropout (p > 0) saves its mask (native_dropout) per adapted linear.
-    - lora_B saves lora_A's output, the rank-r intermediate (half under autocast, else fp32)."""
+    - lora_B saves lora_A's output, the rank-r intermediate (half under autocast, else the adapters')."""
     out: list[Tensors] = []
-    r_bytes = HALF if prec.autocast else FP32
+    ad = lora.adapter_bytes
+    r_bytes = HALF if prec.autocast else ad
     for a in adapters:
         x_bytes = prec.act if a.inner else prec.residual
         n, x = a.count, a.width * T
         if prec.autocast:
             out.append(Tensors("lora: A input (autocast half copy)", HALF * x, n))
         elif lora.dropout:
-            out.append(Tensors("lora: A input (dropout output, fp32)", FP32 * x, n))
-        elif x_bytes != FP32:
-            out.append(Tensors("lora: A input (fp32 cast)", FP32 * x, n))
+            out.append(Tensors("lora: A input (dropout output)", ad * x, n))
+        elif x_bytes != ad:
+            out.append(Tensors("lora: A input (cast to the adapters' width)", ad * x, n))
         else:
-            out.append(Tensors("lora: A input (the linear's input)", FP32 * x))
+            out.append(Tensors("lora: A input (the linear's input)", ad * x))
         if lora.dropout:
             out.append(Tensors("lora: dropout mask", MASK * x, n))
         out.append(Tensors("lora: rank-r intermediate (B input)", r_bytes * lora.r * T, n))

@@ -358,9 +358,13 @@ class LoraActs(NamedTuple):
     # dequantize_4bit(B).to(A.dtype).t())); 0 for lora
     dequant: int = 0
     int8: bool = False  # LLM.int8 keeps each quantised linear's input
+    # the adapters' width at compute time: fp32 (PEFT's autocast_adapter_dtype), half in a half model -
+    # DeepSpeed casts every float parameter to half, FSDP2 gathers in param_dtype (docs/finetune.md)
+    adapter_bytes: int = FP32
 
 
-def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = HALF) -> LoraActs | None:
+def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = HALF,
+              adapter_bytes: int = FP32) -> LoraActs | None:
     """The adapted linears grouped by block and by the tensor they read (same parent module, same width)."""
     if not t.adapters:
         return None
@@ -381,7 +385,7 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
     pack = lambda d: tuple(AdapterInput(w, inner, n) for (_, w, inner), n in sorted(d.items()))  # noqa: E731
     dequant = max((g.numel for g in spec.params if quantised(spec, g)), default=0) if t.method == "qlora" else 0
     return LoraActs(t.r, dropout > 0, pack(stacks["layer"]), pack(stacks["decoder_layer"]), pack(stacks["head"]),
-                    dequant * compute_bytes, t.method == "qlora" and t.quant == "int8")
+                    dequant * compute_bytes, t.method == "qlora" and t.quant == "int8", adapter_bytes)
 
 
 def compute_bytes(w) -> int:
