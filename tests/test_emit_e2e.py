@@ -105,8 +105,11 @@ DEEPSPEED_RUN = textwrap.dedent("""
                                       model_overrides=job["model"])
         result = trainer.train()
         opt = trainer.deepspeed.basic_optimizer
+        trained = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                      for p in trainer.model.parameters() if p.requires_grad)
         print("RESULT", json.dumps({"case": case, "steps": result.global_step, "loss": result.training_loss,
-                                    "optimizer": type(opt).__name__, "betas": list(opt.param_groups[0]["betas"])}))
+                                    "optimizer": type(opt).__name__, "betas": list(opt.param_groups[0]["betas"]),
+                                    "trained": trained}))
         AcceleratorState._reset_state(True)  # the next case builds its own accelerator and DeepSpeed plugin
         unset_hf_deepspeed_config()
 """)
@@ -128,6 +131,10 @@ def deepspeed_runs(tiny, tmp_path_factory):
                                     "--batch-size", "4", "--precision", "bf16", "--zero", "2", "--offload", "optimizer"],
         "zero1": ["--model", str(tiny / "config.json"), "--gpu", "a100-80g", "--seq-len", str(SEQ), "--batch-size", "4",
                   "--precision", "fp32", "--optim", "adamw_torch", "--zero", "1"],
+        # LoRA under ZeRO-3: the frozen base partitioned with the adapters (docs/finetune.md, multi-GPU)
+        "lora-zero3": ["--model", str(tiny / "config.json"), "--gpu", "a100-80g", "--seq-len", str(SEQ),
+                       "--batch-size", "4", "--precision", "bf16", "--optim", "adamw_torch", "--zero", "3",
+                       "--method", "lora", "--lora-r", "4"],
     }
     plans = {}
     for name, argv in cases.items():
@@ -162,6 +169,16 @@ def test_zero2_optimizer_offload_trains(deepspeed_runs):
     assert run["steps"] == 2 and run["optimizer"] == "DeepSpeedCPUAdam" and run["betas"] == [0.9, 0.95]
 
 
+def test_lora_under_zero3_trains_only_the_adapters(deepspeed_runs, tiny):
+    import memplan
+
+    plan, run = deepspeed_runs["lora-zero3"]
+    assert (plan["zero_stage"], plan["estimate"]["workload"]["method"]) == (3, "lora")
+    est = memplan.estimate(str(tiny / "config.json"), "a100-80g", seq_len=SEQ, precision="bf16", zero=3,
+                           method="lora", lora_r=4)
+    assert run["steps"] == 2 and run["loss"] > 0 and run["trained"] == est.model.params_trainable
+
+
 def test_zero1_without_offload_trains_with_the_trainers_optimizer(deepspeed_runs):
     plan, run = deepspeed_runs["zero1"]
     assert (plan["zero_stage"], plan["offload"]) == (1, "none")
@@ -172,7 +189,7 @@ def test_zero1_without_offload_trains_with_the_trainers_optimizer(deepspeed_runs
 @pytest.fixture(scope="module")
 def bf16_plan(tiny):
     """The tiny llama's first plan under bf16 with full checkpointing (what the methods below start from:
-    the search does not take --method yet, so the method is set on the plan's workload)."""
+    the method is set on the plan's workload, so the three methods share one search)."""
     import memplan
 
     spec = memplan.resolve_model(str(tiny / "config.json"))
