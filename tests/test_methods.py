@@ -137,3 +137,23 @@ def test_lora_residual_stream_is_fp32_after_an_embedding_layernorm(model, stream
     w = Workload(method="lora", precision="bf16", micro_batch=2, seq_len=256, grad_ckpt="full")
     kept = ActsKey.of(spec, w).model(2).layer_input
     assert [t.nbytes for t in kept] == [stream_bytes * spec.hidden_size * 2 * 256]
+
+
+def test_the_defaults_line_says_what_the_method_assumes():
+    e = api.estimate("llama-3.2-1b", "a100-80g", method="qlora", lora_r=16, seq_len=256)
+    said = "; ".join(e.defaults)
+    assert "LoRA targets q_proj,v_proj (PEFT's default for llama" in said
+    assert "LoRA alpha 8, dropout 0" in said and "r 16" not in said  # the rank was given
+    assert "nf4, double quantisation, compute dtype bf16, storage uint8" in said
+    sharded = api.estimate("llama-3.2-1b", "a100-80g", method="lora", seq_len=256, gpus=2, zero=2)
+    assert "adapters half in the model" in "; ".join(sharded.defaults)
+    full = api.estimate("llama-3.2-1b", "a100-80g", seq_len=256)
+    assert not any("LoRA" in d for d in full.defaults)
+
+
+def test_plans_say_their_method():
+    s = api.suggest("llama-3.1-8b", "rtx4090", method="any")
+    assert {p.method for p in s.plans} <= {"lora", "qlora"} and s.plans
+    assert all(p.model_dump(mode="json")["method"] == p.workload.method for p in s.plans)
+    assert s.searched["method"] == ["full", "lora", "qlora"]
+    assert any(d.startswith("LoRA targets q_proj,v_proj") for d in s.defaults)

@@ -8,8 +8,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from memplan.estimator import finetune
 from memplan.estimator import step as estimator
 from memplan.estimator.breakdown import with_host_limit
+from memplan.estimator.states import half_model
 from memplan.inputs import defaults
 from memplan.estimator.families import supported_attn
 from memplan.search import suggestion as search
@@ -91,7 +93,8 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     w = workload(**(work | chosen_work))
     chosen = defaults.choose(spec, prof, given, gpus=w.gpus)  # the host RAM of a node of w.gpus GPUs
     est = with_host_limit(estimator.estimate(spec, prof, w), chosen.values.get("cpu_mem", cpu_mem))
-    return est.model_copy(update={"defaults": chosen.said, "notes": est.notes + defaults.precision_notes(w)})
+    said = chosen.said + finetune.assumed(spec, w, set(work), half_model(w))
+    return est.model_copy(update={"defaults": said, "notes": est.notes + defaults.precision_notes(w)})
 
 
 def suggest(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,

@@ -106,7 +106,8 @@ def print_suggestion(s: Suggestion, console: Console | None = None) -> None:
                     f"{gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)}")
         else:
             kern = "".join(f", {k}" for k, on in (("fused loss", best.kernels), ("tiled MLP", best.tiled_mlp)) if on)
-            c.print(f"best: micro batch {best.micro_batch} x accumulation {best.grad_accum} = {best.global_batch}, "
+            tuned = "" if best.method == "full" else f"{method_label(best.workload)}, "
+            c.print(f"best: {tuned}micro batch {best.micro_batch} x accumulation {best.grad_accum} = {best.global_batch}, "
                     f"{best.precision}, {best.optim}, checkpointing {best.grad_ckpt}, attn {best.attn}{kern}; predicted "
                     f"peak {gib(best.estimate.device_used_bytes)} of {gib(best.estimate.capacity_bytes)} "
                     f"(at {best.estimate.peak_phase})")
@@ -172,6 +173,9 @@ def print_verify(r) -> None:
 
 def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
     cols = ("#", "micro", "accum", "precision", "optim", "ckpt", "attn") if train else ("#", "batch", "precision", "attn")
+    methods = train and any(p.method != "full" for p in plans)
+    if methods:
+        cols = cols[:1] + ("method",) + cols[1:]
     if multi:
         cols += ("dp", "tp", "pp", "sharding", "offload")
     kernels = train and any(p.kernels or p.tiled_mlp for p in plans)
@@ -181,12 +185,14 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
         cols += ("host RAM",)
     t = Table(show_header=True, header_style="bold")
     for col in cols + ("device used", "headroom", "samples/s", "tokens/s"):
-        t.add_column(col, justify="left" if col in ("precision", "optim", "ckpt", "attn", "offload", "kernels")
+        t.add_column(col, justify="left" if col in ("method", "precision", "optim", "ckpt", "attn", "offload", "kernels")
                      else "right")
     for i, p in enumerate(plans, 1):
         e = p.estimate
         knobs = ((str(p.micro_batch), str(p.grad_accum), p.precision, p.optim, p.grad_ckpt, p.attn) if train
                  else (str(p.micro_batch), p.precision, p.attn))
+        if methods:
+            knobs = (method_label(p.workload),) + knobs
         if multi:
             knobs += (str(p.dp), f"{p.tp}{'+sp' if p.sp else ''}", f"{p.pp}{f'x{p.vpp}' if p.vpp > 1 else ''}",
                       sharding_label(p.zero_stage, p.fsdp),
@@ -198,3 +204,10 @@ def _plan_table(c: Console, plans, train: bool, multi: bool) -> None:
         t.add_row(str(i), *knobs, gib(e.device_used_bytes), gib(e.headroom_bytes), f"{p.samples_per_s:,.1f}",
                   f"{p.tokens_per_s:,.0f}")
     c.print(t)
+
+
+def method_label(w) -> str:
+    """The fine-tuning method of a plan in a few characters: lora r8, qlora nf4 r8, freeze K=2."""
+    if w.method in ("lora", "qlora"):
+        return f"{w.method}{f' {w.quant}' if w.method == 'qlora' else ''} r{w.lora_r}"
+    return f"freeze K={w.trainable_layers}" if w.method == "freeze" else w.method

@@ -417,3 +417,30 @@ def unquantised_note(spec: ModelSpec, t: Tuning) -> str | None:
     where = ", ".join(dict.fromkeys(g.module for g in bulk))
     return (f"4-bit quantisation leaves {n / 1e9:.1f}B parameters that are not linear layers unquantised ({where}); "
             "prepare_model_for_kbit_training up-casts them to fp32")
+
+
+def assumed(spec: ModelSpec, w, given: set[str], half_model: bool = False) -> list[str]:
+    """The defaults line's items for the method knobs `w` holds but the user did not give (`given`: the
+    field names given): PEFT's LoraConfig and transformers' BitsAndBytesConfig defaults, and what the
+    method always assumes (the adapters' dtype, frozen embeddings). half_model: DeepSpeed or FSDP2 run
+    the model in half (states.half_model)."""
+    said: list[str] = []
+    if w.method in ("lora", "qlora"):
+        if "lora_targets" not in given and default_targets(spec):
+            said.append(f"LoRA targets {','.join(default_targets(spec))} (PEFT's default for {spec.model_type}; "
+                        "--lora-targets)")
+        knobs = [f"{name} {getattr(w, 'lora_' + name):g}" for name in ("r", "alpha", "dropout")
+                 if "lora_" + name not in given]
+        if knobs:
+            said.append(f"LoRA {', '.join(knobs)} (LoraConfig's defaults)")
+        said.append("adapters half in the model, fp32 in the optimizer (DeepSpeed / FSDP2 mixed precision)"
+                    if half_model else "adapters fp32 (PEFT's autocast_adapter_dtype)")
+    if w.method == "qlora" and w.quant == "int8" and "quant" not in given:
+        said.append("int8 (LLM.int8, BitsAndBytesConfig load_in_8bit)")
+    elif w.method == "qlora" and not {"quant", "double_quant", "compute_dtype", "quant_storage"} <= given:
+        quant = f"{w.quant}" + (", double quantisation" if w.double_quant else "")
+        said.append(f"{quant}, compute dtype {compute_dtype(w)}, storage {w.quant_storage} (BitsAndBytesConfig's "
+                    "defaults; --quant, --double-quant, --compute-dtype, --quant-storage)")
+    if w.method == "freeze" and "modules_to_save" not in given:
+        said.append("embeddings frozen (--modules-to-save to train them)")
+    return said

@@ -22,7 +22,7 @@ import gc
 import time
 from typing import Any, NamedTuple
 
-from memplan.estimator.finetune import ALL_LINEAR, default_targets
+from memplan.estimator.finetune import ALL_LINEAR, assumed, default_targets
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -89,7 +89,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
         global_batch_default=req.global_batch is None, gpus=sp.gpus,
-        nodes=sp.nodes, objective=req.objective, defaults=defaults(req), searched=searched(sp, req.gpus * req.nodes),
+        nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp), searched=searched(sp, req.gpus * req.nodes),
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
         plans=[plan(req, c) for c in distinct(found, req.top)],
@@ -242,6 +242,18 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
     return out, n
 
 
+def method_defaults(req: SearchRequest, sp: Space) -> list[str]:
+    """The defaults line's items for the knobs of the fine-tuning methods searched (finetune.assumed), once
+    each; the adapters' dtype only on one GPU (under ZeRO / FSDP it depends on the plan)."""
+    said: list[str] = []
+    for m in sp.methods:
+        if m != "full":
+            w = Workload(**req.common(), **req.tuning(m))
+            said += [x for x in assumed(req.spec, w, req.model_fields_set)
+                     if x not in said and (sp.world == 1 or not x.startswith("adapters"))]
+    return said
+
+
 def _lora_request(req: SearchRequest) -> tuple[SearchRequest, str]:
     """The request the LoRA alternatives are searched with, and the option they add: the user's targets,
     or PEFT's default for the model type; a model without one (phi3, mixtral) is offered all-linear, named
@@ -261,6 +273,8 @@ def searched(sp: Space, world: int) -> dict[str, list[str]]:
     """The values the search tried, by knob (the parallel ones when the request has several GPUs)."""
     out = {"precision": sp.precisions, "optim": sp.optims, "grad_ckpt": sp.ckpts, "attn": sp.attns,
            "micro_batch": ["divisors of the per-rank batch"]}
+    if sp.methods != ["full"]:
+        out["method"] = sp.methods
     if world > 1:
         out |= {"tp": [str(x) for x in sp.tps], "pp": [str(x) for x in sp.pps],
                 "sp": ["on" if s else "off" for s in sp.sps], "vpp": [str(x) for x in sp.vpps], "fsdp": sp.fsdps}
