@@ -50,7 +50,7 @@ def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
 
 
 def label(case: dict) -> str:
-    m = Path(case["model"]).stem
+    m = Path(case["model"]).stem if case["model"].endswith(".json") else case["model"]  # llama-3.2-1b has a "suffix"
     method = case.get("method", "full")
     tuning = "" if method == "full" else (f" {method}" + (f" K={case.get('trainable_layers')}" if method == "freeze" else
                                                         f" r={case.get('lora_r', 8)} {','.join(case.get('lora_targets', ['default']))}"
