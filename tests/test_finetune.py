@@ -312,3 +312,30 @@ def test_t5_keeps_wo_unquantised(tmp_path):
     real = {module_path(n) for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
     assert real == {g.module for g in spec.params if quantised(spec, g)}
     assert not any(p.endswith(".wo") for p in real)
+
+
+# -- QLoRA activations, as traced (benchmarks/accuracy/results/accuracy-qlora.md) ---------------------------
+def test_quantised_projection_returns_fp32_under_autocast():
+    """bitsandbytes' 4-bit layer casts its output back to its input's dtype (nn/modules.py Linear4bit.forward
+    `.to(inp_dtype)`): an fp32 input (QLoRA's fp32 residual stream) gives an fp32 output under bf16 autocast,
+    where nn.Linear gives bf16. So SDPA casts the query and saves the cast, not a view of the fused output."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 192, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(192, 64, dtype=torch.bfloat16), requires_grad=False,
+                                     quant_type="nf4").to("cpu")
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.float32
+        assert nn.Linear(64, 192)(x).dtype == torch.bfloat16
+
+
+def test_qlora_keeps_no_fused_qkv_view():
+    from memplan.estimator.activations import training_activations
+    from memplan.estimator.rules import PRECISIONS
+
+    spec = resolve_model("gpt2")
+    names = lambda prec: {t.name for t in training_activations(spec, 1, 64, PRECISIONS[prec], "sdpa").layer}  # noqa: E731
+    fused = "k, v before the cache copy (fused QKV)"
+    assert fused in names("bf16") and fused in names("bf16-halfbase") and fused in names("fp32")
+    assert fused not in names("bf16-qlora")

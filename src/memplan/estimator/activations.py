@@ -113,7 +113,8 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             out.append(Tensors("k, v", p * k * d * Tkv, 2))
     else:
         out.append(Tensors("k, v", p * k * d * Tkv, 2))
-        if kv_cache and attn != "eager" and not selective and family(spec.model_type).query_views_fused_qkv:
+        if kv_cache and attn != "eager" and not selective and family(spec.model_type).query_views_fused_qkv \
+                and query_is_view(prec):
             # Decoders build a DynamicCache in training too (use_cache defaults to True; only gradient
             # checkpointing turns it off), and attention gets the cache's torch.cat copies of k and v.
             # The SDPA / flash kernel saves the query, a view that keeps the whole fused QKV output
@@ -145,6 +146,15 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", MASK * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
+
+
+def query_is_view(prec: Precision) -> bool:
+    """Whether the attention kernel gets the projection's output as it is (the query a view of it), or
+    autocast's half cast of it: QLoRA's quantised projections return fp32 under autocast (bitsandbytes 0.50.2
+    nn/modules.py Linear4bit.forward `.to(inp_dtype)`; Linear8bitLt's matmul returns its fp32 input's dtype),
+    so SDPA casts q, k and v and saves the casts, and the fused fp32 output dies with the forward (traced:
+    GPT-2 QLoRA, benchmarks/accuracy/results/accuracy-qlora.md)."""
+    return not prec.autocast or prec.act == HALF
 
 
 def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
