@@ -339,3 +339,54 @@ def test_qlora_keeps_no_fused_qkv_view():
     fused = "k, v before the cache copy (fused QKV)"
     assert fused in names("bf16") and fused in names("bf16-halfbase") and fused in names("fp32")
     assert fused not in names("bf16-qlora")
+
+
+def test_int8_matmul_saves_its_fp32_input_as_it_comes():
+    """LLM.int8's training matmul (MatMul8bitLt, bitsandbytes 0.50.2 autograd/_functions.py) keeps its input
+    A itself, not autocast's half cast, and its backward dequantises the weight in A's dtype."""
+    pytest.importorskip("bitsandbytes")
+    import importlib
+
+    bnb_autograd = importlib.import_module("bitsandbytes.autograd._functions")
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    state = bnb_autograd.MatmulLtState()
+    state.has_fp16_weights, state.threshold = False, 6.0
+    state.CB, state.SCB, _ = F.int8_vectorwise_quant(torch.randn(32, 64, dtype=torch.float16))
+    x = torch.randn(8, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bnb_autograd.MatMul8bitLt.apply(x, state.CB, None, None, state)
+    assert out.dtype == torch.float32
+    assert out.grad_fn.tensors[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_int8_activations_keep_one_input_per_norm_output():
+    from memplan.estimator.activations import training_activations
+    from memplan.estimator.finetune import lora_acts
+    from memplan.estimator.rules import PRECISIONS
+
+    spec = resolve_model("llama-3.2-1b")
+    h, T = spec.hidden_size, 64
+    t = Tuning.of(Workload(method="qlora", precision="bf16", quant="int8"))
+    am = training_activations(spec, 1, T, PRECISIONS["bf16-qlora"], "sdpa", lora=lora_acts(spec, t, 0.0))
+    kept = {x.name: x for x in am.layer if "input" in x.name and "lora" not in x.name}
+    assert not any("half cast" in n for n in kept)
+    assert (kept["qkv input (LLM.int8 saved input)"].nbytes, kept["qkv input (LLM.int8 saved input)"].count) == (4 * h * T, 1)
+    assert kept["mlp input (LLM.int8 saved input)"].total == 4 * h * T
+    assert not any("lm_head" in x.name for x in am.head_saved)  # the output layer is never quantised
+    nf4 = training_activations(spec, 1, T, PRECISIONS["bf16-qlora"], "sdpa",
+                               lora=lora_acts(spec, Tuning.of(Workload(method="qlora", precision="bf16")), 0.0))
+    assert not any("qkv input" in x.name or "lm_head" in x.name for x in nf4.layer + nf4.head_saved)
+
+
+def test_dequantised_weight_in_backward():
+    from memplan.estimator.finetune import dequant_bytes, quantised
+
+    spec = resolve_model("llama-3.2-1b")
+    n = max(g.numel for g in spec.params if quantised(spec, g))
+    t = lambda **kw: Tuning.of(Workload(method="qlora", **kw))  # noqa: E731
+    assert dequant_bytes(spec, t(precision="bf16"), 2) == 2 * n  # bf16 load, bf16 compute: one copy
+    assert dequant_bytes(spec, t(precision="bf16"), 4) == 6 * n  # bf16 load, fp32 compute: + the .to() copy
+    assert dequant_bytes(spec, t(precision="bf16", quant="int8"), 2) == 4 * n  # CB.to(fp32 input dtype)
+    assert dequant_bytes(spec, Tuning.of(Workload(method="lora", precision="bf16")), 2) == 0
