@@ -435,3 +435,81 @@ def test_recorded_frozen_block_keeps_what_a_lora_base_block_keeps():
     am = ActsKey.of(spec_from_config(cfg, "tiny-llama", head="causal-lm"), w).model(b)
     assert am.frozen_layer and not {TensorKind.WEIGHT_INPUT, TensorKind.NORM_INPUT} & {t.kind for t in am.frozen_layer}
     assert per_block[2] - per_block[1] == sum(t.total for t in am.layer) - sum(t.total for t in am.frozen_layer) > 0
+
+
+# -- QLoRA activations, as traced (benchmarks/accuracy/results/accuracy-qlora.md) ---------------------------
+def test_quantised_projection_returns_fp32_under_autocast():
+    """bitsandbytes' 4-bit layer casts its output back to its input's dtype (nn/modules.py Linear4bit.forward
+    `.to(inp_dtype)`): an fp32 input (QLoRA's fp32 residual stream) gives an fp32 output under bf16 autocast,
+    where nn.Linear gives bf16. So SDPA casts the query and saves the cast, not a view of the fused output."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 192, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(192, 64, dtype=torch.bfloat16), requires_grad=False,
+                                     quant_type="nf4").to("cpu")
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.float32
+        assert nn.Linear(64, 192)(x).dtype == torch.bfloat16
+
+
+def test_qlora_keeps_no_fused_qkv_view():
+    from memplan.estimator.activations import training_activations
+    from memplan.estimator.rules import PRECISIONS
+
+    spec = resolve_model("gpt2")
+    names = lambda prec: {t.name for t in training_activations(spec, 1, 64, PRECISIONS[prec], "sdpa").layer}  # noqa: E731
+    fused = "k, v before the cache copy (fused QKV)"
+    assert fused in names("bf16") and fused in names("bf16-halfbase") and fused in names("fp32")
+    assert fused not in names("bf16-qlora")
+
+
+def test_int8_matmul_saves_its_fp32_input_as_it_comes():
+    """LLM.int8's training matmul (MatMul8bitLt, bitsandbytes 0.50.2 autograd/_functions.py) keeps its input
+    A itself, not autocast's half cast, and its backward dequantises the weight in A's dtype."""
+    pytest.importorskip("bitsandbytes")
+    import importlib
+
+    bnb_autograd = importlib.import_module("bitsandbytes.autograd._functions")
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    state = bnb_autograd.MatmulLtState()
+    state.has_fp16_weights, state.threshold = False, 6.0
+    state.CB, state.SCB, _ = F.int8_vectorwise_quant(torch.randn(32, 64, dtype=torch.float16))
+    x = torch.randn(8, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bnb_autograd.MatMul8bitLt.apply(x, state.CB, None, None, state)
+    assert out.dtype == torch.float32
+    assert out.grad_fn.tensors[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_int8_activations_keep_one_input_per_norm_output():
+    from memplan.estimator.activations import training_activations
+    from memplan.estimator.finetune import lora_acts
+    from memplan.estimator.rules import PRECISIONS
+
+    spec = resolve_model("llama-3.2-1b")
+    h, T = spec.hidden_size, 64
+    t = Tuning.of(Workload(method="qlora", precision="bf16", quant="int8"))
+    am = training_activations(spec, 1, T, PRECISIONS["bf16-qlora"], "sdpa", lora=lora_acts(spec, t, 0.0))
+    kept = {x.name: x for x in am.layer if "input" in x.name and "lora" not in x.name}
+    assert not any("half cast" in n for n in kept)
+    assert (kept["qkv input (LLM.int8 saved input)"].nbytes, kept["qkv input (LLM.int8 saved input)"].count) == (4 * h * T, 1)
+    assert kept["mlp input (LLM.int8 saved input)"].total == 4 * h * T
+    assert not any("lm_head" in x.name for x in am.head_saved)  # the output layer is never quantised
+    nf4 = training_activations(spec, 1, T, PRECISIONS["bf16-qlora"], "sdpa",
+                               lora=lora_acts(spec, Tuning.of(Workload(method="qlora", precision="bf16")), 0.0))
+    assert not any("qkv input" in x.name or "lm_head" in x.name for x in nf4.layer + nf4.head_saved)
+
+
+def test_dequantised_weight_in_backward():
+    from memplan.estimator.finetune import dequant_bytes, quantised
+
+    spec = resolve_model("llama-3.2-1b")
+    n = max(g.numel for g in spec.params if quantised(spec, g))
+    t = lambda **kw: Tuning.of(Workload(method="qlora", **kw))  # noqa: E731
+    assert dequant_bytes(spec, t(precision="bf16"), 2) == 2 * n  # bf16 load, bf16 compute: one copy
+    assert dequant_bytes(spec, t(precision="bf16"), 4) == 6 * n  # bf16 load, fp32 compute: + the .to() copy
+    assert dequant_bytes(spec, t(precision="bf16", quant="int8"), 2) == 4 * n  # CB.to(fp32 input dtype)
+    assert dequant_bytes(spec, Tuning.of(Workload(method="lora", precision="bf16")), 2) == 0

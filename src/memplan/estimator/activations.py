@@ -40,6 +40,9 @@ class TensorKind(Enum):
     # saved only for the outputs that need a gradient: torch/csrc/autograd, should_compute_output)
     WEIGHT_INPUT = "weight_input"
     NORM_INPUT = "norm_input"  # the same for a norm's weight (RMSNorm's normalised tensor)
+    # the output layer's input, saved only for its weight's gradient; transformers never quantises the output
+    # layer (quantizers/base.py get_keys_to_not_convert), so no LLM.int8 matmul keeps it either
+    HEAD_INPUT = "head_input"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Tensors:
     # dropout masks); sequence parallelism shards these too (Korthikanti et al. 2022, section 4.2.2).
     rep: bool = False
     kind: TensorKind = TensorKind.OTHER
+    # autocast's half casts of a linear input: bytes of the one input they are cast from, which a matmul that
+    # bypasses autocast saves instead (bitsandbytes' LLM.int8, activations._tuned); 0 for any other tensor
+    uncast: float = 0.0
 
     @property
     def total(self) -> float:
@@ -105,7 +111,8 @@ def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: st
     """Inputs saved by `n_linears` linears reading one norm output. Under autocast each linear casts
     the fp32 input to half itself (autocast caches only leaf weights), so there are n copies."""
     if prec.autocast and prec.residual != HALF:
-        return [Tensors(f"{name} (half cast)", HALF * width * T, n_linears, rep=True, kind=TensorKind.WEIGHT_INPUT)]
+        return [Tensors(f"{name} (half cast)", HALF * width * T, n_linears, rep=True, kind=TensorKind.WEIGHT_INPUT,
+                        uncast=prec.residual * width * T)]
     return [Tensors(name, prec.residual * width * T, rep=True, kind=TensorKind.WEIGHT_INPUT)]
 
 
@@ -127,7 +134,8 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             out.append(Tensors("k, v", p * k * d * Tkv, 2))
     else:
         out.append(Tensors("k, v", p * k * d * Tkv, 2))
-        if kv_cache and attn != "eager" and not selective and family(spec.model_type).query_views_fused_qkv:
+        if kv_cache and attn != "eager" and not selective and family(spec.model_type).query_views_fused_qkv \
+                and query_is_view(prec):
             # Decoders build a DynamicCache in training too (use_cache defaults to True; only gradient
             # checkpointing turns it off), and attention gets the cache's torch.cat copies of k and v.
             # The SDPA / flash kernel saves the query, a view that keeps the whole fused QKV output
@@ -159,6 +167,15 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", MASK * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
+
+
+def query_is_view(prec: Precision) -> bool:
+    """Whether the attention kernel gets the projection's output as it is (the query a view of it), or
+    autocast's half cast of it: QLoRA's quantised projections return fp32 under autocast (bitsandbytes 0.50.2
+    nn/modules.py Linear4bit.forward `.to(inp_dtype)`; Linear8bitLt's matmul returns its fp32 input's dtype),
+    so SDPA casts q, k and v and saves the casts, and the fused fp32 output dies with the forward (traced:
+    GPT-2 QLoRA, benchmarks/accuracy/results/accuracy-qlora.md)."""
+    return not prec.autocast or prec.act == HALF
 
 
 def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
@@ -329,7 +346,7 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
     if fused and spec.head in ("causal-lm", "masked-lm"):
         return _fused_loss(spec, T, prec, saved)
     if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
-        saved += _linear_inputs(1, h, T, prec, "lm_head input")
+        saved += [replace(t, kind=TensorKind.HEAD_INPUT) for t in _linear_inputs(1, h, T, prec, "lm_head input")]
         # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
         # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
         # BERT-style masked LMs call CrossEntropyLoss on the logits as they are: fp32 under autocast
@@ -416,12 +433,23 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
 def frozen_block(ts: list[Tensors], int8: bool = False) -> list[Tensors]:
     """What frozen weights leave of a block's saved tensors when its input requires a gradient (LoRA's base,
     freeze's blocks before the trained ones when a trained embedding makes them record): none of the tensors
-    saved only for a weight's gradient (kinds WEIGHT_INPUT, NORM_INPUT; autograd saves a derivative formula's
-    input only for the outputs that need a gradient), except that bitsandbytes' LLM.int8 matmul keeps its
-    input whatever the weight (ctx.A in autograd/_functions.py MatMul8bitFp; MatMul8bitLt keeps the int8
-    input and the outlier columns)."""
-    dropped = (TensorKind.NORM_INPUT,) if int8 else (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT)
-    return [t for t in ts if t.kind not in dropped]
+    saved only for a weight's gradient (kinds WEIGHT_INPUT, NORM_INPUT, HEAD_INPUT; autograd saves a
+    derivative formula's input only for the outputs that need a gradient), except that bitsandbytes'
+    LLM.int8 matmul keeps the input of each quantised linear whatever the weight (int8_saved_input)."""
+    if int8:
+        return [int8_saved_input(t) for t in ts if t.kind not in (TensorKind.NORM_INPUT, TensorKind.HEAD_INPUT)]
+    return [t for t in ts if t.kind not in (TensorKind.NORM_INPUT, TensorKind.WEIGHT_INPUT, TensorKind.HEAD_INPUT)]
+
+
+def int8_saved_input(t: Tensors) -> Tensors:
+    """LLM.int8's training matmul saves its input A as it comes (bitsandbytes 0.50.2 autograd/_functions.py
+    MatMul8bitLt.forward: ctx.tensors = (CAt, subA, A); a custom autograd Function, which autocast does not
+    cast): where the estimate has autocast's half casts of a linear input, one tensor of the input's own
+    width (QLoRA: the fp32 norm output) shared by the linears that read it (traced: one per norm output)."""
+    if not t.uncast:
+        return t
+    return replace(t, name=t.name.replace("(half cast)", "(LLM.int8 saved input)"), nbytes=t.uncast, count=1,
+                   uncast=0.0)
 
 
 def _tuned(ts: list[Tensors], lora: LoraActs | None) -> list[Tensors]:

@@ -353,9 +353,7 @@ class LoraActs(NamedTuple):
     layer: tuple[AdapterInput, ...]  # an encoder or decoder-only block
     decoder_layer: tuple[AdapterInput, ...]  # a decoder block of an encoder-decoder
     head: tuple[AdapterInput, ...]  # adapted linears outside the blocks (a pooler, a classifier)
-    # qlora: bytes of the largest quantised weight dequantised to the compute dtype, which bitsandbytes'
-    # matmul materialises in forward and again in backward (autograd/_functions.py MatMul4Bit: linear(A,
-    # dequantize_4bit(B).to(A.dtype).t())); 0 for lora
+    # qlora: bytes of the largest quantised weight dequantised in its linear's backward (dequant_bytes); 0 for lora
     dequant: int = 0
     int8: bool = False  # LLM.int8 keeps each quantised linear's input
     # the adapters' width at compute time: fp32 (PEFT's autocast_adapter_dtype), half in a half model -
@@ -383,9 +381,28 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
             stack, per = "layer", g.count // spec.num_layers
         stacks[stack][key] = stacks[stack].get(key, 0) + per
     pack = lambda d: tuple(AdapterInput(w, inner, n) for (_, w, inner), n in sorted(d.items()))  # noqa: E731
-    dequant = max((g.numel for g in spec.params if quantised(spec, g)), default=0) if t.method == "qlora" else 0
     return LoraActs(t.r, dropout > 0, pack(stacks["layer"]), pack(stacks["decoder_layer"]), pack(stacks["head"]),
-                    dequant * compute_bytes, t.method == "qlora" and t.quant == "int8", adapter_bytes)
+                    dequant_bytes(spec, t, compute_bytes), t.method == "qlora" and t.quant == "int8",
+                    adapter_bytes)
+
+
+def dequant_bytes(spec: ModelSpec, t: Tuning, compute: int) -> int:
+    """The largest quantised weight as its linear's backward dequantises it for the input's gradient
+    (bitsandbytes 0.50.2 autograd/_functions.py; the CUDA and CPU backends run the same Python here):
+    - 4-bit, MatMul4Bit.backward: dequantize_4bit(B, state).to(grad_output.dtype): the weight in
+      quant_state.dtype (the dtype it was loaded in, nn/modules.py Params4bit._quantize), and a second copy
+      in the compute dtype while .to() runs if they differ (bnb_4bit_compute_dtype fp32 over a half base);
+    - LLM.int8, MatMul8bitLt.backward: state.CB.to(ctx.dtype_A, copy=True).mul_(SCB ...): in the input's
+      dtype, fp32 under QLoRA (prepare_model_for_kbit_training's fp32 residual stream, fp32 MLP inputs).
+    Its forward materialises the 4-bit weight too where CUDA's gemm_4bit falls back to dequantise + linear
+    (backends/cuda/ops.py, above 512 to 1536 rows), freed before the next layer: never at a modelled peak."""
+    if t.method != "qlora":
+        return 0
+    numel = max((g.numel for g in spec.params if quantised(spec, g)), default=0)
+    if t.quant == "int8":
+        return numel * FP32
+    load = HALF if t.half_load else FP32
+    return numel * (load + (compute if compute != load else 0))
 
 
 def compute_bytes(w) -> int:
