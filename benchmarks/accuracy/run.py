@@ -43,7 +43,8 @@ def run_case(case: dict, gpu_name: str, steps: int, device: str) -> dict:
     t0 = time.perf_counter()
     rep = verify_case(case, gpu_name, steps, device)
     gc.collect()
-    return {"case": case, "seconds": round(time.perf_counter() - t0, 2),
+    return {"case": case, "device": case.get("device", device) if device == "fake" else device,
+            "seconds": round(time.perf_counter() - t0, 2),
             "meters": [m.model_dump() for m in rep.meters], "breakdown": rep.breakdown,
             "peak_phase": {"measured": rep.peak_phase, "predicted": rep.estimate.peak_phase},
             "peak_op": rep.peak_op, "sdpa_kernels": rep.sdpa_kernels}
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = Path(args.out) if args.out else HERE / "results" / ("accuracy" if args.device == "fake" else f"accuracy-{args.device}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    md = [f"# Accuracy: estimate vs {args.device} ({gpu} profile)", "", f"`{doc['command']}`", "",
+    ran_on = ", ".join(sorted({r["device"] for r in results})) or args.device  # a case may name its device
+    md = [f"# Accuracy: estimate vs {ran_on} ({gpu} profile)", "", f"`{doc['command']}`", "",
           f"Peak allocated: median |error| {summary['median_abs_error_pct']} %, max {summary['max_abs_error_pct']} % "
           f"over {len(results)} cases (goal: median <= 2 %, max <= 5 %).", "",
           f"Reserved (allocator simulation): median {summary['peak_reserved']['median_abs_error_pct']} %, "
