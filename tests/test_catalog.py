@@ -36,10 +36,30 @@ def test_anchor_param_counts():
     assert (llama.head, llama.params_total) == ("causal-lm", 405_853_388_800)
 
 
+def test_qwen3_and_olmo2_counts_match_their_model_cards():
+    """Anchors from outside the code: Qwen3's model cards (0.6B / 8.2B / 32.8B total, 0.44B / 6.95B / 31.2B
+    non-embedding) and OLMo 2 7B's 7.3B; the exact numbers are the meta-device model's (test (a))."""
+    for name, total, non_embedding in (("qwen3-0.6b", 0.6e9, 0.44e9), ("qwen3-8b", 8.2e9, 6.95e9),
+                                       ("qwen3-32b", 32.8e9, 31.2e9), ("olmo-2-7b", 7.3e9, None)):
+        spec = resolve_model(name)
+        by = spec.params_by_category()
+        assert abs(spec.params_total - total) / total < 0.01, name
+        if non_embedding:
+            assert abs(spec.params_total - by["embeddings"] - by.get("head", 0) - non_embedding) / non_embedding < 0.01
+    assert resolve_model("qwen3-0.6b").params_total == 596_049_920  # tied: lm_head is embed_tokens
+    assert resolve_model("olmo-2-7b").params_total == 7_298_617_344
+    # q_norm / k_norm: per head (head_dim) in Qwen3, over the whole projection in OLMo 2
+    q3 = {g.module: g.shape for g in resolve_model("qwen3-8b").params if g.category == "norms"}
+    o2 = {g.module: g.shape for g in resolve_model("olmo-2-7b").params if g.category == "norms"}
+    assert q3["model.layers.*.self_attn.q_norm"] == q3["model.layers.*.self_attn.k_norm"] == (128,)
+    assert o2["model.layers.*.self_attn.q_norm"] == o2["model.layers.*.self_attn.k_norm"] == (4096,)
+    assert "model.layers.*.input_layernorm" not in o2 and "model.layers.*.post_feedforward_layernorm" in o2
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
-    assert len(ENTRIES) == 36
+    assert len(ENTRIES) == 40
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 
@@ -59,6 +79,9 @@ def test_catalog_is_complete_and_names_unique():
         ("BERT-Large", "bert-large"),  # any case
         ("META-LLAMA/LLAMA-2-7B-HF", "llama-2-7b"),
         ("  gpt2  ", "gpt2"),
+        ("Qwen/Qwen3-8B", "qwen3-8b"),
+        ("allenai/OLMo-2-1124-7B", "olmo-2-7b"),
+        ("olmo2-7b", "olmo-2-7b"),
     ],
 )
 def test_resolve_names(name, expected):

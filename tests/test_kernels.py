@@ -164,6 +164,12 @@ TINY = {
                    head_dim=16, final_logit_softcapping=30.0),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
                  bos_token_id=0, eos_token_id=0),
+    # q/k RMSNorm per head (qwen3) and over the whole projection with post-norm layers (olmo2)
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=97, max_position_embeddings=64),
+    "olmo2": dict(model_type="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                  pad_token_id=1, eos_token_id=2),
 }
 
 
@@ -202,7 +208,7 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks, m
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert model(input_ids=x).logits.shape == (2, 16, 97)  # inference is the original forward
-    assert set(gated) == ({"gpt2": set(), "llama": {"silu"}, "gemma2": {"gelu_tanh"}}[family])
+    assert set(gated) == ({"gpt2": set(), "gemma2": {"gelu_tanh"}}.get(family, {"silu"}))
     revert(model)
     assert applied(model)["mlp"] == 0 and "forward" not in vars(model.model.layers[0].mlp if family != "gpt2"
                                                                  else model.transformer.h[0].mlp)

@@ -94,9 +94,36 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     if spec.norm == "layernorm":
         return [Tensors("norm input", layernorm_input_bytes(prec) * h * T, rep=True),
                 Tensors("norm mean/rstd", FP32 * T, 2, rep=True)]
+    if family(spec.model_type).norm_weight_fp32:
+        r = FP32  # the weight multiplies the fp32 normalised tensor before the cast back (Olmo2RMSNorm)
     return [Tensors("rmsnorm fp32 input", FP32 * h * T, rep=True),
             Tensors("rmsnorm normalised", r * h * T, rep=True, kind=TensorKind.NORM_INPUT),
             Tensors("rmsnorm rstd", FP32 * T, rep=True)]
+
+
+def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Saved by the RMSNorms on the query and key projections (families.Family.qk_norm), over q's a*d and
+    k's k*d values per token. Each upcasts the projection's output: pow and the rstd multiply save the fp32
+    copy (the output itself in an fp32 model), the multiply saves rstd (per head and token for a per-head norm,
+    per token for a norm over the whole projection) and the weight multiply saves the normalised tensor, in the
+    projection's dtype (Qwen3RMSNorm casts back first) or fp32 (Olmo2RMSNorm multiplies first). transformers
+    5.23 models/qwen3/modeling_qwen3.py Qwen3Attention.forward, models/olmo2/modeling_olmo2.py
+    Olmo2Attention.forward. RoPE after it saves only cos and sin (shared by the layers)."""
+    fam = family(spec.model_type)
+    if fam.qk_norm is None:
+        return []
+    a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    normalised = FP32 if fam.norm_weight_fp32 else prec.act
+    per_head = fam.qk_norm == "head"
+    # a norm over the whole projection needs all heads: transformers' TP plan gathers q, k (Olmo2Config
+    # base_model_tp_plan "colwise_gather_output"), so those tensors are replicated; per-head norms split with heads
+    rep = not per_head
+    out: list[Tensors] = []
+    for name, heads in (("q", a), ("k", k)):
+        out += [Tensors(f"{name}_norm fp32 input", FP32 * heads * d * T, rep=rep),
+                Tensors(f"{name}_norm normalised", normalised * heads * d * T, rep=rep, kind=TensorKind.NORM_INPUT),
+                Tensors(f"{name}_norm rstd", FP32 * (heads if per_head else 1) * T, rep=rep)]
+    return out
 
 
 def layernorm_input_bytes(prec: Precision) -> int:
@@ -247,6 +274,7 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     for _ in range(n_norms):
         out += _norm(spec, T, prec)
     out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
+    out += _qk_norms(spec, T, prec)
     out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")

@@ -46,6 +46,14 @@ class Family:
     query_views_fused_qkv: bool = False
     # Norms inside the region memplan.kernels' tiled MLP recomputes (they save nothing under it).
     tiled_mlp_norms: int = 0
+    # RMSNorm on the query and key projections before RoPE: "head" normalises each head over head_dim (one
+    # rstd per head and token: Qwen3Attention.q_norm / k_norm), "full" normalises the whole projection over
+    # heads * head_dim (one rstd per token: Olmo2Attention.q_norm / k_norm); None: no q/k norm
+    qk_norm: str | None = None
+    # The RMSNorm multiplies by its weight before casting back (Olmo2RMSNorm.forward: (weight * x).to(input_dtype)),
+    # so the normalised tensor it saves for the weight's gradient is fp32 whatever the input (LlamaRMSNorm casts
+    # first: weight * x.to(input_dtype) saves it in the input's dtype)
+    norm_weight_fp32: bool = False
     # Every n-th layer keeps a sliding-window KV cache (transformers' DynamicSlidingWindowLayer); 1: all
     # layers slide when the config has a window (mistral v0.1).
     sliding_every: int = 1
@@ -119,6 +127,13 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
                                                            ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    # Qwen3Attention: q_norm / k_norm over head_dim before RoPE, no qkv bias; otherwise llama's layer
+    "qwen3": Family(**_ROTARY_GATED, lora_targets=_QV, qk_norm="head", **_KERNELS),
+    # Olmo2DecoderLayer: no input norm; post_attention_layernorm after the attention and post_feedforward_layernorm
+    # after the MLP, each before its residual add (2 norms per layer, as a pre-norm layer), so the q/k/v and the
+    # gate/up projections read the residual stream itself; q_norm / k_norm over the whole projection. PEFT has no
+    # default LoRA targets for olmo2 (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no entry)
+    "olmo2": Family(**_ROTARY_GATED, qk_norm="full", norm_weight_fp32=True, **_KERNELS),
     "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
     # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
