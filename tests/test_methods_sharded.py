@@ -176,3 +176,24 @@ def test_lora_adapters_compute_in_half_in_a_half_model():
         terms = {k: v for k, v in e.activations_per_layer.items() if k.startswith("lora")}
         assert terms == {"lora: A input (the linear's input)": 2 * 512 * 4096,
                          "lora: rank-r intermediate (B input)": 2 * 2 * 512 * 8}, kw
+
+
+def test_freeze_keeps_only_the_trained_blocks_activations_when_sharded():
+    # whether a frozen block records is the method's, not the sharding's: ZeRO and FSDP count the last K
+    # blocks as a single GPU does (the half model keeps less than autocast: no fp32 norm inputs)
+    base = dict(method="freeze", trainable_layers=2, precision="bf16", micro_batch=4, seq_len=2048, gpus=2)
+    ddp = api.estimate("llama-3.1-8b", "a100-80g", **base).breakdown["activations"]
+    full = api.estimate("llama-3.1-8b", "a100-80g", precision="bf16", micro_batch=4, seq_len=2048, gpus=2,
+                        zero=2).breakdown["activations"]
+    for kw in (dict(zero=2), dict(zero=3), dict(fsdp="full-shard")):
+        acts = api.estimate("llama-3.1-8b", "a100-80g", **base, **kw).breakdown["activations"]
+        assert 0.8 * ddp < acts <= ddp < full / 4, kw
+
+
+def test_a_half_stored_trained_head_has_half_gradients():
+    # LoRA over a bf16 base with modules_to_save=lm_head: the trained copy is stored half, its gradient too
+    w = Workload(method="lora", modules_to_save=("lm_head",), precision="bf16", seq_len=512)
+    spec = api.resolve_spec("llama-2-7b")
+    st = stage_states(StatesKey.of(spec, w, 0))
+    head = [g for g in tuned_params(spec, Tuning.of(w)) if g.category == "head" and g.trainable]
+    assert head and st.head_grads == sum(g.numel * 2 for g in head)

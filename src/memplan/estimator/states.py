@@ -151,16 +151,17 @@ def stage_states(k: StatesKey) -> StageStates:
     enc, dec = stage_layers(spec, k.pp, k.stage)
     if half_model(k):
         z = _sharded(k, groups)
-        tied, tied_cast = _tied(spec, k, groups, prec)
+        tied, _ = _tied(spec, k, groups, prec)
         weights, grads, states, comm, gathered, cpu = (z.weights, z.gradients, z.optimizer_states, z.comm_buffers,
                                                        z.gathered, z.cpu)
         temp, grads_persistent, managed = z.step_transient, z.grads_persistent, 0
         adapters, constants = z.trained_weights if k.tuning.adapters else 0, z.constants
         persistent = [(weights, 1), (grads, 1), (states, 1), (comm, 1), (gathered, 1), (temp, 1)]
-        copies = autocast_copies(groups, tied_cast, prec) if prec.autocast else (0, 0, 0)
+        # DeepSpeed and FSDP run the model in pure half (train_precision has no autocast): no half copies
         return StageStates(weights, adapters, constants, grads, states, managed, temp, comm, gathered, cpu,
-                           grads_persistent, tied, *copies, _head_grads(groups, tied, prec.grad),
-                           segments_of(persistent), numel(list(groups)), enc, dec, enc, dec)
+                           grads_persistent, tied, 0, 0, 0, _head_grads(groups, tied, prec.grad),
+                           segments_of(persistent), numel(list(groups)), enc, dec,
+                           *_grad_layers(spec, k.tuning, enc, dec))
     return _replica_states(k, groups, enc, dec)
 
 
@@ -313,5 +314,6 @@ def autocast_copies(groups, tied: int, prec: Precision | None = None, half: int 
 
 def _head_grads(groups, tied: int, grad_bytes: float) -> int:
     """Gradients allocated first in backward: the head (or the tied embedding matrix)."""
-    g = rounded(tuple(x for x in groups if x.category == "head" and x.trainable), lambda x: x.numel * grad_bytes)
+    g = rounded(tuple(x for x in groups if x.category == "head" and x.trainable),
+                lambda x: x.numel * element_bytes(x, grad_bytes))  # as `grads` counts it (a half-stored copy)
     return g + round_block(tied * grad_bytes)
