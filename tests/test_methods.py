@@ -157,3 +157,14 @@ def test_plans_say_their_method():
     assert all(p.model_dump(mode="json")["method"] == p.workload.method for p in s.plans)
     assert s.searched["method"] == ["full", "lora", "qlora"]
     assert any(d.startswith("LoRA targets q_proj,v_proj") for d in s.defaults)
+
+
+def test_an_adapted_pooler_reads_one_token_per_sequence():
+    # all-linear adapts BERT's pooler, which reads the CLS token only: its LoRA input is b tokens, not b x s
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.inputs.workload import Workload
+
+    spec = api.resolve_spec("bert-base", None, False)
+    w = Workload(method="lora", lora_targets=("all-linear",), precision="bf16", micro_batch=2, seq_len=256)
+    head = [t for t in ActsKey.of(spec, w).model(2).head_saved if t.name.startswith("lora: A input")]
+    assert [t.nbytes for t in head] == [2 * 768 * 2]  # autocast half copy of 2 pooled tokens

@@ -21,7 +21,7 @@ from enum import Enum
 
 from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, family
 from memplan.estimator.finetune import AdapterInput, LoraActs
-from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.modelspec import LM_HEADS, ModelSpec
 from memplan.estimator.rules import (
     FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
 )
@@ -357,6 +357,13 @@ def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensor
     return out
 
 
+def head_tokens(spec: ModelSpec, b: int, T: int) -> int:
+    """Tokens the layers after the last block read: every token for an LM head or token classification,
+    one per sequence (the pooler's / the CLS token) for the other classification heads - LoRA adapters on
+    those layers (a pooler under all-linear) see as many."""
+    return T if spec.head in LM_HEADS or spec.head == "token-classification" else b
+
+
 def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
           fused: bool = False) -> tuple[list[Tensors], list[Tensors], list[Tensors]]:
     """(saved, loss forward transient, loss backward transient) of the head and its loss."""
@@ -373,7 +380,7 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         saved += _norm(spec, T, prec)
     if fused and spec.head in ("causal-lm", "masked-lm"):
         return _fused_loss(spec, T, prec, saved)
-    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+    if spec.head in LM_HEADS:
         saved += [replace(t, kind=TensorKind.HEAD_INPUT) for t in _linear_inputs(1, h, T, prec, "lm_head input")]
         # transformers' ForCausalLMLoss: logits.float() then cross_entropy; log_softmax saves its fp32
         # output until backward. While the loss runs, the half logits and the fp32 copy are alive too.
@@ -395,8 +402,7 @@ def _head(spec: ModelSpec, b: int, s: int, prec: Precision,
         # to half comes after dL/dlogp and the saved output are freed, so it never adds to this peak.
         bwd = [Tensors("loss grad buffers", lp * T * V, 2)]
         return saved, fwd, bwd
-    # classification heads read one token (pooler / CLS) or all tokens for token classification
-    n_tok = T if spec.head == "token-classification" else b
+    n_tok = head_tokens(spec, b, T)
     saved.append(Tensors("head input", prec.residual * h * n_tok, rep=True))
     return saved, [Tensors("logits", FP32 * n_tok * max(spec.num_labels, 1))], []
 
@@ -520,7 +526,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     if lora is not None:
         layer += lora_terms(lora.layer, T, prec, lora)
         dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
-        saved_head += lora_terms(lora.head, T, prec, lora)
+        saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora)
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
@@ -554,7 +560,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, fu
     mlp_ts = [Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
     work = base + (attn_ts if total(attn_ts) > total(mlp_ts) else mlp_ts)
     V = spec.vocab_size
-    if spec.head in ("causal-lm", "seq2seq-lm", "masked-lm"):
+    if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
         work.append(Tensors("logits", p * n_tok * V))
         work.append(Tensors("logits fp32", FP32 * n_tok * V))

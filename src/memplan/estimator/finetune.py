@@ -29,7 +29,7 @@ from memplan.estimator.families import family
 from memplan.estimator.rules import (
     DYNAMIC_CODE_BYTES, FP32, HALF, INT8_SCALE_BYTES, NF4_BLOCK, NF4_CODE_BYTES, NF4_NESTED_BLOCK, PRECISIONS,
 )
-from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 
 ALL_LINEAR = "all-linear"
 # PEFT's task type per memplan head, and the modules its PeftModel class adds to modules_to_save (peft
@@ -117,8 +117,7 @@ def under(path: str, names: tuple[str, ...]) -> bool:
 def is_output_layer(spec: ModelSpec, g: ParamGroup) -> bool:
     """The LM head that produces the vocabulary logits: all-linear leaves it out (PEFT excludes the
     model's output embeddings)."""
-    return g.category == "head" and spec.vocab_size in g.shape and spec.head in ("causal-lm", "seq2seq-lm",
-                                                                               "masked-lm")
+    return g.category == "head" and spec.vocab_size in g.shape and spec.head in LM_HEADS
 
 
 def in_saved(path: str, names: tuple[str, ...]) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from memplan.estimator.finetune import element_bytes, stored_tensors
 from memplan.estimator.rules import FP32, HALF, OptimRule, Precision
-from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 
 TP_SPLIT = ("attention", "mlp", "experts", "embeddings", "head")  # column/row/vocab parallel
 LAYER_CATEGORIES = ("attention", "mlp", "experts", "router", "norms")
@@ -82,7 +82,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGro
 
 def tied_head(spec: ModelSpec) -> bool:
     """The LM head's weight is the input embedding matrix (tie_word_embeddings)."""
-    return spec.tie_embeddings and spec.head in ("causal-lm", "seq2seq-lm", "masked-lm")
+    return spec.tie_embeddings and spec.head in LM_HEADS
 
 
 def numel(ts: list[ParamGroup], trainable_only: bool = False) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from memplan.errors import UserError
 from memplan.estimator.families import family, model_types
-from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 
 # Default head per architecture, and the Auto class that builds it (sequence classification with 2
 # labels for encoders, causal LM for decoders, seq2seq LM for T5, image classification for ViT).
@@ -251,8 +251,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
                                   "hidden_dropout", default=0.0)),
         attention_dropout=float(_get(cfg, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout",
                                      "dropout_rate", default=0.0)),
-        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)) and head in (
-            "causal-lm", "seq2seq-lm", "masked-lm"),
+        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)) and head in LM_HEADS,
         num_experts=int(_get(cfg, *EXPERTS, default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
         num_labels=int(cfg.num_labels) if head in ("sequence-classification", "token-classification",

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # adapter: LoRA's A and B matrices, which the fine-tuning table (estimator/finetune.py) adds
 Category = Literal["embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other", "adapter"]
+# heads whose output is a vocabulary: the logits and their loss scale with it, a tied matrix can serve it
+LM_HEADS = ("causal-lm", "seq2seq-lm", "masked-lm")
 CATEGORIES: tuple[str, ...] = ("embeddings", "attention", "mlp", "experts", "router", "norms", "head", "other",
                                "adapter")
 # How a tensor is stored on the GPU. "model": in the width the training precision gives parameters
