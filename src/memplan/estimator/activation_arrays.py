@@ -38,7 +38,7 @@ class ActsKey(NamedTuple):
 
     spec: ModelSpec
     seq: int
-    precision: str  # the precision the activations see (states.train_precision)
+    precision: str  # the precision the activations see (states.activation_precision)
     eager: bool  # eager attention saves its scores and probabilities; SDPA, FlashAttention-2 and memplan's do not
     grad_ckpt: str
     kernels: bool

@@ -35,11 +35,13 @@ class TensorKind(Enum):
     # the loss's saved log_softmax output (and what the head saves after its matmul: Gemma 2's soft-capping
     # tanh output), freed by the loss's backward, before the last layer's
     LOG_SOFTMAX = "log_softmax"
-    # saved only for a weight's gradient (a linear's input, RMSNorm's normalised input to its weight
-    # multiply): autograd does not save it when that weight is frozen (a derivative formula's inputs are
-    # saved only for the outputs that need a gradient: torch/csrc/autograd, should_compute_output)
+    # saved only for a weight's gradient (a linear's input): autograd does not save it when that weight is
+    # frozen (a derivative formula's inputs are saved only for the outputs that need a gradient:
+    # torch/csrc/autograd, should_compute_output)
     WEIGHT_INPUT = "weight_input"
-    NORM_INPUT = "norm_input"  # the same for a norm's weight (RMSNorm's normalised tensor)
+    # the same for a norm's weight (RMSNorm's normalised tensor); a kind of its own because LLM.int8's
+    # matmul keeps its linears' inputs whatever the weight (WEIGHT_INPUT stays) while this one goes
+    NORM_INPUT = "norm_input"
     # the output layer's input, saved only for its weight's gradient; transformers never quantises the output
     # layer (quantizers/base.py get_keys_to_not_convert), so no LLM.int8 matmul keeps it either
     HEAD_INPUT = "head_input"
@@ -55,7 +57,7 @@ class Tensors:
     rep: bool = False
     kind: TensorKind = TensorKind.OTHER
     # autocast's half casts of a linear input: bytes of the one input they are cast from, which a matmul that
-    # bypasses autocast saves instead (bitsandbytes' LLM.int8, activations._tuned); 0 for any other tensor
+    # bypasses autocast saves instead (bitsandbytes' LLM.int8: int8_saved_input); 0 for any other tensor
     uncast: float = 0.0
 
     @property
@@ -535,7 +537,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
         layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp) + (
-            [Tensors("4-bit weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []), tp, sp),
+            [Tensors("quantised weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []), tp, sp),
         layer_core=shard(core, tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),

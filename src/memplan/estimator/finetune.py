@@ -69,9 +69,6 @@ class Tuning(NamedTuple):
         return self.method in ("lora", "qlora")
 
 
-FULL = Tuning("full", False, 0, (), (), "nf4", True, 0)
-
-
 def load_dtype(w) -> str:
     """The dtype the model's weights load in ("fp32", "fp16", "bf16"): LoRA and QLoRA load the frozen base in
     the precision's half type (fp32 under fp32); full fine-tuning and freeze hold fp32 weights (autocast makes
@@ -415,7 +412,8 @@ def trains_embeddings(spec: ModelSpec, t: Tuning) -> bool:
     return t.method == "full" or any(g.trainable and g.category == "embeddings" for g in tuned_params(spec, t))
 
 
-# kept in their load dtype by every method: small by design, never worth a note
+# not linear layers by design (no method quantises them; QLoRA up-casts them to fp32 like the rest): the
+# note is about parameters a quantiser would be expected to take and cannot
 _NOT_LINEAR_BY_DESIGN = ("embeddings", "norms", "head", "adapter", "router")
 
 

@@ -277,11 +277,10 @@ def fsdp_width(g: ParamGroup) -> float:
 UNIT_CATEGORIES = LAYER_CATEGORIES + ("adapter",)  # LoRA's adapters belong to their layer's unit
 
 
-def fsdp_units(spec: ModelSpec, ts: list[ParamGroup] | None = None) -> tuple[int, int]:
+def fsdp_units(spec: ModelSpec, ts: list[ParamGroup]) -> tuple[int, int]:
     """(elements of one transformer layer, of the root unit: embeddings, head, norms outside layers);
-    ts: the table as sharded (a method's, `flat_view`), else the model's."""
+    ts: the table as sharded (`flat_view`: the model's, or a method's)."""
     L = max(spec.total_layers, 1)
-    ts = list(spec.params) if ts is None else ts
     # a module's tensors counted together: freeze splits a layer group into trained and frozen blocks
     counts: dict[tuple, int] = {}
     for g in ts:

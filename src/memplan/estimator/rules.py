@@ -28,8 +28,10 @@ class Precision:
     residual: bytes of the residual stream and norm outputs. Under torch.autocast, layer_norm and
       softmax run in fp32 and a residual add of a half and an fp32 tensor promotes to fp32
       (PyTorch "CUDA Ops that can autocast to float32" and type promotion), so the stream stays fp32.
-    autocast: weights are fp32 and autocast makes half copies that it caches for the forward; the
-      copies are saved by the matmuls for backward, so they live until each layer's backward.
+    autocast: autocast makes half copies of the fp32 weights that it caches for the forward; the
+      copies are saved by the matmuls for backward, so they live until each layer's backward. The
+      "-halfbase" (LoRA over a half base) and "-qlora" rows are activation widths only
+      (states.activation_precision): their param / grad are never read, the method's table stores those.
     half: the half dtype used for compute ("fp16"/"bf16") or None.
     """
 

@@ -17,7 +17,7 @@ import numpy as np
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.families import embedding_layernorm
 from memplan.estimator.finetune import (
-    FULL, Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
+    Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
 )
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import (
@@ -93,7 +93,7 @@ class StatesKey(NamedTuple):
     optim: str
     momentum: bool
     accumulating: bool  # offload's host accumulation buffer (ZeRO-1/2 with gradient accumulation)
-    tuning: Tuning = FULL  # the fine-tuning method and its knobs
+    tuning: Tuning  # the fine-tuning method and its knobs
 
     @classmethod
     def of(cls, spec: ModelSpec, w: Workload, stage: int) -> "StatesKey":
@@ -136,18 +136,16 @@ class StageStates(NamedTuple):
 
 
 @lru_cache(maxsize=CACHE_SIZE)
-def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int, tuning: Tuning = FULL) -> tuple[ParamGroup, ...]:
-    """One stage's parameter groups, shared by every ZeRO / precision / optimizer setting of a layout (a
-    fine-tuning method runs without TP or PP, on the whole model: constraints.py)."""
-    if tuning.method != "full":
-        return tuned_params(spec, tuning)
+def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[ParamGroup, ...]:
+    """One stage's parameter groups, shared by every ZeRO / precision / optimizer setting of a layout."""
     return tuple(stage_params(spec, tp, pp, stage))
 
 
 @lru_cache(maxsize=CACHE_SIZE)
 def stage_states(k: StatesKey) -> StageStates:
     spec, prec = k.spec, train_precision(k)
-    groups = layout_params(spec, k.tp, k.pp, k.stage, k.tuning)
+    # a fine-tuning method runs without TP or PP, on the whole model (constraints.py): its own table
+    groups = layout_params(spec, k.tp, k.pp, k.stage) if k.tuning.method == "full" else tuned_params(spec, k.tuning)
     enc, dec = stage_layers(spec, k.pp, k.stage)
     if half_model(k):
         z = _sharded(k, groups)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator import activation_arrays as A
-from memplan.estimator.activations import training_activations
+from memplan.estimator.activations import shard
 from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.finetune import Tuning, unquantised_note
@@ -305,13 +305,8 @@ def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: in
 
 def _per_layer_terms(spec: ModelSpec, w: Workload) -> dict[str, int]:
     """Saved bytes of one layer by term, for the report (one tensor-parallel rank's share)."""
-    k = A.ActsKey.of(spec, w)
-    am = training_activations(spec, w.micro_batch, w.seq_len, PRECISIONS[k.precision], w.attn,
-                              selective=w.grad_ckpt == "selective", kv_cache=w.grad_ckpt != "full", tp=w.tp,
-                              sp=w.sp, fused_loss=w.kernels, tiled_mlp=w.tiled_mlp, lora=k.lora,
-                              embed_grad=k.embed_grad)
     out: dict[str, int] = {}
-    for t in am.layer:
+    for t in shard(A.ActsKey.of(spec, w).model(w.micro_batch).layer, w.tp, w.sp):
         out[t.name] = out.get(t.name, 0) + int(round_block(t.nbytes) * t.count)
     return out
 
