@@ -200,7 +200,7 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
         if not (head_stack(spec, g.module) and not under(g.module, t.modules_to_save)):
             out.append(g.model_copy(update={"trainable": freeze_trains(spec, t, g, -1)}))
             continue
-        k = min(t.trainable_layers, blocks) * (g.count // blocks)
+        k = trained_blocks(spec, t) * (g.count // blocks)
         out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
         out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
     return tuple(out)
@@ -226,6 +226,11 @@ def head_stack(spec: ModelSpec, module: str) -> bool:
 def stack_blocks(spec: ModelSpec) -> int:
     """Blocks in the stack next to the head."""
     return spec.num_decoder_layers or spec.num_layers
+
+
+def trained_blocks(spec: ModelSpec, t: Tuning) -> int:
+    """freeze: how many blocks of the stack next to the head are trained (the last K, at most all)."""
+    return min(t.trainable_layers, stack_blocks(spec))
 
 
 def final_norm(spec: ModelSpec, g: ParamGroup) -> bool:

@@ -17,7 +17,8 @@ import numpy as np
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.families import embedding_layernorm
 from memplan.estimator.finetune import (
-    Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, tuned_params,
+    Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, trained_blocks,
+    tuned_params,
 )
 from memplan.estimator.parallel import fsdp_states, numel, stage_params, tied_head, zero_states
 from memplan.estimator.rules import (
@@ -197,8 +198,9 @@ def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, i
     (activations.frozen_block). Under LoRA every block is a frozen one with adapters (its own activations)."""
     if t.method != "freeze":
         return enc, dec, 0, 0
-    trained_dec = min(t.trainable_layers, dec) if spec.num_decoder_layers else dec
-    trained_enc = 0 if spec.num_decoder_layers else min(t.trainable_layers, enc)
+    # a method runs on the whole model (no PP): the stage's layers are the model's
+    trained_dec = trained_blocks(spec, t) if spec.num_decoder_layers else dec
+    trained_enc = 0 if spec.num_decoder_layers else trained_blocks(spec, t)
     if not records_frozen_blocks(spec, t):
         return trained_enc, trained_dec, 0, 0
     return trained_enc, trained_dec, enc - trained_enc, dec - trained_dec
