@@ -208,3 +208,20 @@ def test_fake_qlora_is_one_line_asking_for_cpu():
     w = api.workload(precision="bf16", method="qlora")
     with pytest.raises(UserError, match="--device cpu"):
         run_traced(TINY_LLAMA, "causal-lm", w, (8, 0), "fake", 2)
+
+
+def test_an_8bit_optimizer_traces_on_fake_tensors():
+    # bitsandbytes is installed (QLoRA), but its optimizers call .tolist() on their map, which fake tensors
+    # refuse: the fake trace builds memplan's replica (before, verify --optim adamw_bnb_8bit --device fake
+    # ended in a traceback); a run on real tensors builds bitsandbytes' own
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.inputs.workload import Workload
+    from memplan.verify.optimizers import AdamW8bitReplica
+    from memplan.verify.run import setup
+
+    w = Workload(optim="adamw_bnb_8bit", precision="bf16-pure", micro_batch=1, seq_len=32)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = setup(TINY_LLAMA, "causal-lm", w, "meta")[2]
+    assert isinstance(fake, AdamW8bitReplica)
+    assert type(setup(TINY_LLAMA, "causal-lm", w, "cpu")[2]).__module__.startswith("bitsandbytes")

@@ -22,8 +22,8 @@ Sources:
   (``kOptimizerStatic8bit2StateBlockwise``, ``kOptimizerStatic8bit1StateBlockwise``,
   ``quantize_2D``).
 
-bitsandbytes is not a dependency. When it is importable its classes are used (the
-GPU verification run should measure the real thing); otherwise the bnb names map to
+bitsandbytes is a dependency (QLoRA), but its optimizers cannot step fake tensors: the fake trace
+(``use_bnb=False``) and any run without bitsandbytes map the bnb names to
 `AdamW8bitReplica` / `Lion8bitReplica`, plain-torch classes that allocate the same
 state tensors as bnb and perform a real blockwise-quantised update. They step one
 parameter at a time; each temporary is at most one parameter's fp32 size (rounded up

@@ -213,7 +213,10 @@ def setup(config, head: str | None, w: Workload, device: str):
         methods.prepare_kbit(model, w)
     prepare_model(model, w)
     model = methods.apply_method(model, w, head)
-    optimizer = build_optimizer(w.optim, [p for p in model.parameters() if p.requires_grad], momentum=w.momentum)
+    # bitsandbytes' own 8-bit optimizers read their quantisation map with .tolist(), which fake tensors
+    # refuse (functional.create_dynamic_map): the fake trace steps the replicas, real runs bnb itself
+    optimizer = build_optimizer(w.optim, [p for p in model.parameters() if p.requires_grad], momentum=w.momentum,
+                                use_bnb=False if device == "meta" else None)
     return model, head, optimizer, dtype
 
 
