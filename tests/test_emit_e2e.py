@@ -204,11 +204,6 @@ def with_method(plan, **fields):
     return plan.model_copy(update={"workload": Workload(**{**plan.workload.model_dump(), **fields})})
 
 
-# memplan counts a block of a frozen run twice once the spec's totals were read: _frozen_blocks' model_copy
-# (update={"count": k}) keeps the cached `total` of the whole group (ParamGroup.total is a cached_property,
-# which pydantic copies); strict, so the fix shows here
-
-
 @pytest.mark.parametrize("fields", [dict(method="lora"), dict(method="qlora"),
                                     dict(method="freeze", trainable_layers=1)],
                          ids=lambda f: f["method"])

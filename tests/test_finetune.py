@@ -30,7 +30,7 @@ CATALOG = [e.name for e in list_models()]
 # One model per family (two llamas: one with a tied head)
 FAMILIES = ["llama-2-7b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-2b", "mistral-7b", "mixtral-8x7b", "gpt2",
             "bert-base", "roberta-base", "t5-small", "opt-350m", "pythia-410m", "phi-3-mini", "vit-base",
-            "distilbert-base"]
+            "distilbert-base", "qwen3-0.6b", "olmo-2-7b"]
 # PEFT's time is per adapted layer: each catalog config is cut to 3 blocks (stack and decoder), every module
 # kept; the count is linear in the blocks. FULL_SIZE keeps the catalog's spec and model as they are.
 BLOCKS = 3

@@ -1,5 +1,5 @@
-"""The numbers of a fixed grid (benchmarks/snapshot.py: 252 estimates and 11 searches over every family,
-precision, optimizer, checkpointing, kernels, ZeRO / FSDP / TP / PP / SP and inference) against the
+"""The numbers of a fixed grid (benchmarks/snapshot.py: 317 estimates and 13 searches over every family,
+precision, optimizer, checkpointing, kernels, ZeRO / FSDP / TP / PP / SP, inference and the fine-tuning methods) against the
 committed snapshot (benchmarks/results/snapshot.json), which was taken with each configuration computed
 first in a fresh process. (snapshot_before.json is the one taken before the core redesign, kept with
 snapshot_check.txt as the record that the redesign changed no number; snapshot.json differs from it

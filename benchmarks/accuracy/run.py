@@ -1,6 +1,8 @@
 """Accuracy suite: memplan's analytic estimate against a measured training step, case by case.
 
-    python benchmarks/accuracy/run.py                  # all cases, fake tracer (runs anywhere)
+    python benchmarks/accuracy/run.py --method full    # full fine-tuning, fake tracer: results/accuracy.md
+    python benchmarks/accuracy/run.py --only ' lora r=' --out benchmarks/accuracy/results/accuracy-lora
+    python benchmarks/accuracy/run.py                  # every case, the QLoRA ones on the CPU (minutes each)
     python benchmarks/accuracy/run.py --fast           # the subset the test suite also runs
     python benchmarks/accuracy/run.py --device cuda    # real runs, on a machine with a GPU
 
@@ -17,6 +19,7 @@ import argparse
 import gc
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -33,7 +36,8 @@ def verify_case(case: dict, gpu_name: str, steps: int, device: str):
 
     model = str(ROOT / case["model"]) if case["model"].endswith(".json") else case["model"]
     work = {k: v for k, v in case.items() if k not in ("model", "fast", "device")}
-    # a case may name the device it needs: qlora runs on real CPU tensors, not fake ones (docs/verify.md)
+    # a case may name the device it needs: qlora runs on real CPU tensors, not fake ones (docs/finetune.md,
+    # "QLoRA measured")
     if device == "fake" and case.get("device"):
         device = case["device"]
     return run(model=model, gpu=gpu_name, device=device, steps=steps, **work)
@@ -78,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=str(HERE / "cases.json"))
     ap.add_argument("--fast", action="store_true", help="only the cases marked fast")
     ap.add_argument("--only", help="only cases whose label contains this text")
+    ap.add_argument("--method", help="only cases of this fine-tuning method (full: results/accuracy.md)")
     ap.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     ap.add_argument("--gpu", help="GPU profile [default: the cases file's]")
     ap.add_argument("--out", help="output stem [default: results/accuracy or results/accuracy-DEVICE]")
     args = ap.parse_args(argv)
 
     spec = json.loads(Path(args.cases).read_text())
-    cases = [c for c in spec["cases"] if (not args.fast or c.get("fast")) and (not args.only or args.only in label(c))]
+    cases = [c for c in spec["cases"] if (not args.fast or c.get("fast")) and (not args.only or args.only in label(c))
+             and (not args.method or c.get("method", "full") == args.method)]
     gpu = args.gpu or spec["gpu"]
     results = []
     for c in cases:
@@ -102,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    doc = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-           "device": args.device, "gpu_profile": gpu,
+    ran_on = ", ".join(sorted({r["device"] for r in results})) or args.device  # a case may name its device
+    doc = {"command": shlex.join(["python", "benchmarks/accuracy/run.py"] + (argv if argv is not None else sys.argv[1:])),
+           "device": ran_on, "gpu_profile": gpu,
            "machine": {"platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "transformers": transformers.__version__},
            "summary": summary, "results": results}
     stem = Path(args.out) if args.out else HERE / "results" / ("accuracy" if args.device == "fake" else f"accuracy-{args.device}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    ran_on = ", ".join(sorted({r["device"] for r in results})) or args.device  # a case may name its device
     md = [f"# Accuracy: estimate vs {ran_on} ({gpu} profile)", "", f"`{doc['command']}`", "",
           f"Peak allocated: median |error| {summary['median_abs_error_pct']} %, max {summary['max_abs_error_pct']} % "
           f"over {len(results)} cases (goal: median <= 2 %, max <= 5 %).", "",
