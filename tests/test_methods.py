@@ -95,6 +95,27 @@ def test_method_options_are_refused_where_they_do_not_apply(kw, words):
         api.estimate("llama-3.2-1b", "a100-80g", **kw)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(method="full,lora", quant="int8"), "apply to --method qlora"),
+    (dict(method="full,lora", double_quant=False), "apply to --method qlora"),
+    (dict(method="lora,qlora", trainable_layers=2), "--trainable-layers applies to --method freeze"),
+    (dict(method="full,qlora", lora_r=16, quant="int8", trainable_layers=2), "--trainable-layers applies"),
+    (dict(method="full", lora_r=16), "apply to --method lora or qlora"),
+    (dict(method="full,freeze"), "--method freeze needs --trainable-layers"),  # was a traceback
+    (dict(method="full,lorra"), "unknown method 'lorra'"),
+])
+def test_suggest_refuses_an_option_no_named_method_reads(kw, words):
+    """A method knob that none of the methods named reads would be dropped from every plan: refused as
+    estimate refuses it for one method, before any search."""
+    with pytest.raises(UserError, match=words):
+        api.suggest("gpt2", "a100-80g", **kw)
+
+
+def test_suggest_keeps_an_option_one_named_method_reads():
+    s = api.suggest("gpt2", "a100-80g", method="lora,qlora", quant="int8", top=20)
+    assert {p.workload.quant for p in s.plans if p.method == "qlora"} == {"int8"}
+
+
 def test_cli_method_options(memplan_cli):
     out = memplan_cli("estimate", "--model", "qwen2.5-0.5b", "--gpu", "t4-16g", "--method", "qlora", "--precision",
                       "fp16", "--lora-targets", "all-linear", "--json")
@@ -102,6 +123,8 @@ def test_cli_method_options(memplan_cli):
     assert '"method": "qlora"' in out.stdout
     bad = memplan_cli("estimate", "--model", "phi-3-mini", "--gpu", "a100-80g", "--method", "lora")
     assert bad.returncode == 2 and "no default LoRA target" in bad.stderr
+    dropped = memplan_cli("suggest", "--model", "gpt2", "--gpu", "a100-80g", "--method", "full,lora", "--quant", "int8")
+    assert dropped.returncode == 2 and dropped.stderr.count("\n") == 1 and "apply to --method qlora" in dropped.stderr
 
 
 def test_modules_to_save_names_a_tied_head():
