@@ -89,10 +89,22 @@ def test_freeze_saves_activations_of_the_trained_blocks_only():
     (dict(method="lora", quant="int8"), "apply to --method qlora"),
     (dict(method="freeze"), "--trainable-layers"),
     (dict(method="lora", lora_targets="nonexistent"), "matches no linear layer"),
+    (dict(method="qlora", quant="int8", double_quant=False), r"apply to 4-bit weights \(--quant nf4 or fp4\)"),
+    (dict(method="qlora", quant="int8", quant_storage="bf16"), "not to LLM.int8"),
 ])
 def test_method_options_are_refused_where_they_do_not_apply(kw, words):
     with pytest.raises(UserError, match=words):
         api.estimate("llama-3.2-1b", "a100-80g", **kw)
+
+
+def test_int8_refuses_the_4bit_settings_before_the_gpu_is_asked():
+    """LLM.int8 reads no bnb_4bit_* setting: --compute-dtype bf16 with it is refused for that, not because
+    a V100 has no bf16; a 4-bit method still gets the GPU's reason."""
+    with pytest.raises(UserError, match="not to LLM.int8"):
+        api.estimate("gpt2", "v100-16g", method="qlora", quant="int8", precision="fp16", compute_dtype="bf16")
+    with pytest.raises(UserError, match="has no bf16: --compute-dtype fp16"):
+        api.estimate("gpt2", "v100-16g", method="qlora", precision="fp16", compute_dtype="bf16")
+    assert api.estimate("gpt2", "v100-16g", method="qlora", quant="int8", precision="fp16").workload.quant == "int8"
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -253,6 +253,14 @@ TABLE: tuple[Constraint, ...] = (
            w.quant != "nf4" or not w.double_quant or w.compute_dtype != "auto" or w.quant_storage != "uint8"),
        "--quant, --no-double-quant, --compute-dtype and --quant-storage apply to --method qlora",
        {"method": "lora", "quant": "int8"}),
+    # LLM.int8 is BitsAndBytesConfig(load_in_8bit=True): the bnb_4bit_* settings are not read (emit writes
+    # load_in_8bit alone), so they would change nothing
+    _c("four-bit-options-need-4bit", "workload", "method quant double_quant compute_dtype quant_storage",
+       lambda w, m, g: w.method == "qlora" and w.quant == "int8" and (
+           not w.double_quant or w.compute_dtype != "auto" or w.quant_storage != "uint8"),
+       "--no-double-quant, --compute-dtype and --quant-storage apply to 4-bit weights (--quant nf4 or fp4), "
+       "not to LLM.int8 (--quant int8)",
+       {"method": "qlora", "quant": "int8", "compute_dtype": "fp16"}),
     _c("freeze-needs-layers", "workload", "method trainable_layers",
        lambda w, m, g: (w.method == "freeze") != (w.trainable_layers is not None),
        lambda w, m, g: ("--method freeze needs --trainable-layers K (the last K blocks are trained)"
