@@ -186,6 +186,26 @@ def test_the_defaults_line_says_what_the_method_assumes():
     assert not any("LoRA" in d for d in full.defaults)
 
 
+@pytest.mark.parametrize("gpu, dtype", [("a100-80g", "bf16"), ("v100-16g", "fp16")])
+def test_estimate_and_suggest_say_the_same_compute_dtype(gpu, dtype):
+    """The compute dtype follows the precision: suggest says it for the precision its plans run, as
+    estimate does for the same question (it said fp32, the Workload's default precision)."""
+    e = api.estimate("gpt2", gpu, method="qlora")
+    s = api.suggest("gpt2", gpu, method="qlora", top=1)
+    item = next(d for d in e.defaults if "compute dtype" in d)
+    assert f"compute dtype {dtype}," in item and s.plans[0].precision == dtype
+    assert item in s.defaults
+
+
+def test_suggest_says_the_adapters_dtype_where_the_plans_agree():
+    def adapters(**kw):
+        return [d for d in api.suggest("gpt2", "a100-80g", method="lora", top=1, **kw).defaults
+                if d.startswith("adapters")]
+    assert adapters() == ["adapters fp32 (PEFT's autocast_adapter_dtype)"]
+    assert adapters(gpus=2) == []  # DDP and ZeRO / FSDP plans: it depends on the plan
+    assert adapters(gpus=2, zero="2")[0].startswith("adapters half in the model")
+
+
 def test_plans_say_their_method():
     s = api.suggest("llama-3.1-8b", "rtx4090", method="any")
     assert {p.method for p in s.plans} <= {"lora", "qlora"} and s.plans

@@ -436,11 +436,12 @@ def unquantised_note(spec: ModelSpec, t: Tuning) -> str | None:
             "prepare_model_for_kbit_training up-casts them to fp32")
 
 
-def assumed(spec: ModelSpec, w, given: set[str], half_model: bool = False) -> list[str]:
+def assumed(spec: ModelSpec, w, given: set[str], half_model: bool | None = False) -> list[str]:
     """The defaults line's items for the method knobs `w` holds but the user did not give (`given`: the
     field names given): PEFT's LoraConfig and transformers' BitsAndBytesConfig defaults, and what the
     method always assumes (the adapters' dtype, frozen embeddings). half_model: DeepSpeed or FSDP2 run
-    the model in half (states.half_model)."""
+    the model in half (states.half_model); None: that depends on the plan (suggest), and the adapters'
+    dtype is not said."""
     said: list[str] = []
     if w.method in ("lora", "qlora"):
         if "lora_targets" not in given and default_targets(spec):
@@ -450,8 +451,9 @@ def assumed(spec: ModelSpec, w, given: set[str], half_model: bool = False) -> li
                  if "lora_" + name not in given]
         if knobs:
             said.append(f"LoRA {', '.join(knobs)} (LoraConfig's defaults)")
-        said.append("adapters half in the model, fp32 in the optimizer (DeepSpeed / FSDP2 mixed precision)"
-                    if half_model else "adapters fp32 (PEFT's autocast_adapter_dtype)")
+        if half_model is not None:
+            said.append("adapters half in the model, fp32 in the optimizer (DeepSpeed / FSDP2 mixed precision)"
+                        if half_model else "adapters fp32 (PEFT's autocast_adapter_dtype)")
     if w.method == "qlora" and w.quant == "int8" and "quant" not in given:
         said.append("int8 (LLM.int8, BitsAndBytesConfig load_in_8bit)")
     elif w.method == "qlora" and not {"quant", "double_quant", "compute_dtype", "quant_storage"} <= given:
