@@ -186,6 +186,39 @@ def test_the_defaults_line_says_what_the_method_assumes():
     assert not any("LoRA" in d for d in full.defaults)
 
 
+def test_freeze_says_a_tied_embedding_trains():
+    """freeze trains the input embedding a tied head shares its weight with (GPT-2's wte): the defaults line
+    says so rather than 'embeddings frozen'."""
+    tied = api.estimate("gpt2", "a100-80g", method="freeze", trainable_layers=2)
+    assert "embeddings frozen but transformer.wte, the tied head's weight, trained with it" in "; ".join(tied.defaults)
+    assert tied.model.params_trainable > 50257 * 768  # wte is counted as trained
+    untied = api.estimate("llama-3.1-8b", "a100-80g", method="freeze", trainable_layers=2, seq_len=256)
+    assert "embeddings frozen (--modules-to-save to train them)" in untied.defaults
+    saved = api.estimate("gpt2", "a100-80g", method="freeze", trainable_layers=2, modules_to_save="wpe")
+    assert not any(d.startswith("embeddings") for d in saved.defaults)
+
+
+def test_the_quantisation_item_names_whose_defaults_they_are():
+    """nf4 and double quantisation are QLoRA's recipe, memplan's defaults: BitsAndBytesConfig's own are
+    fp4 without double quantisation, computing in fp32 (transformers 5.23 utils/quantization_config.py)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    own = BitsAndBytesConfig(load_in_4bit=True)
+    assert (own.bnb_4bit_quant_type, own.bnb_4bit_use_double_quant, own.bnb_4bit_compute_dtype,
+            own.bnb_4bit_quant_storage) == ("fp4", False, torch.float32, torch.uint8)
+    item = next(d for d in api.estimate("gpt2", "a100-80g", method="qlora").defaults if "compute dtype" in d)
+    assert "memplan's defaults, after QLoRA: BitsAndBytesConfig's own are fp4 without double quantisation" in item
+    assert "BitsAndBytesConfig's defaults" not in item
+    # only the settings not given are said; with all four given, or LLM.int8, none
+    some = api.estimate("gpt2", "a100-80g", method="qlora", quant="fp4", quant_storage="bf16").defaults
+    assert any(d.startswith("double quantisation, compute dtype bf16 (memplan's") for d in some)
+    every = dict(quant="nf4", double_quant=True, compute_dtype="bf16", quant_storage="uint8")
+    for kw in (every, dict(quant="int8")):
+        assert not any("quantisation" in d or "compute dtype" in d
+                       for d in api.estimate("gpt2", "a100-80g", method="qlora", **kw).defaults)
+
+
 @pytest.mark.parametrize("gpu, dtype", [("a100-80g", "bf16"), ("v100-16g", "fp16")])
 def test_estimate_and_suggest_say_the_same_compute_dtype(gpu, dtype):
     """The compute dtype follows the precision: suggest says it for the precision its plans run, as
