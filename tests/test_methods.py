@@ -245,3 +245,14 @@ def test_plans_say_their_method():
     assert all(p.model_dump(mode="json")["method"] == p.workload.method for p in s.plans)
     assert s.searched["method"] == ["full", "lora", "qlora"]
     assert any(d.startswith("LoRA targets q_proj,v_proj") for d in s.defaults)
+
+
+def test_why_this_plan_compares_plans_of_the_same_method():
+    """--method any: the best plan is LoRA, and LoRA has no selective checkpointing (method-no-kernels), so
+    no plan 'changes only the checkpointing' to selective: the full fine-tuning plan that does is another
+    method, not a one-knob change."""
+    s = api.suggest("gpt2", "t4-16g", method="any", top=3)
+    assert s.plans[0].method == "lora" and any(p.method == "full" and p.grad_ckpt == "selective"
+                                               for p in api.suggest("gpt2", "t4-16g", top=20).plans)
+    assert ("checkpointing selective instead of checkpointing none: does not fit or is not possible with the rest "
+            "of this plan") in s.why
