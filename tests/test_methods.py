@@ -135,6 +135,11 @@ def test_cli_method_options(memplan_cli):
     assert '"method": "qlora"' in out.stdout
     bad = memplan_cli("estimate", "--model", "phi-3-mini", "--gpu", "a100-80g", "--method", "lora")
     assert bad.returncode == 2 and "no default LoRA target" in bad.stderr
+    tuned = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--method", "qlora", "--lora-r", "16")
+    assert "train bf16, qlora nf4 r16, micro batch 1" in tuned.stdout  # the workload line names the method
+    frozen = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--method", "freeze", "--trainable-layers", "2")
+    assert "train bf16, freeze K=2, micro batch 1" in frozen.stdout
+    assert "train bf16, micro batch 1" in memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g").stdout
     dropped = memplan_cli("suggest", "--model", "gpt2", "--gpu", "a100-80g", "--method", "full,lora", "--quant", "int8")
     assert dropped.returncode == 2 and dropped.stderr.count("\n") == 1 and "apply to --method qlora" in dropped.stderr
 

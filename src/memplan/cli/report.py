@@ -41,7 +41,8 @@ def _workload_line(e: MemoryBreakdown) -> str:
     if w.task == "infer":
         gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
         return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
-    line = (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
+    tuned = "" if w.method == "full" else f"{method_label(w)}, "
+    line = (f"train {w.precision}, {tuned}micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
             f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}"
             + (", memplan's fused loss" if w.kernels else "") + (", memplan's tiled MLP" if w.tiled_mlp else ""))
     if w.world > 1 or w.zero:
