@@ -123,6 +123,14 @@ def test_suggest_refuses_an_option_no_named_method_reads(kw, words):
         api.suggest("gpt2", "a100-80g", **kw)
 
 
+def test_method_names_are_case_insensitive_everywhere(memplan_cli):
+    assert api.estimate("gpt2", "a100-80g", method=" LoRA").workload.method == "lora"
+    assert memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--method", "QLoRA").returncode == 0
+    assert api.suggest("gpt2", "a100-80g", method="LoRA", top=1).plans[0].method == "lora"
+    with pytest.raises(UserError, match="method"):
+        api.estimate("gpt2", "a100-80g", method="lorra")
+
+
 def test_suggest_keeps_an_option_one_named_method_reads():
     s = api.suggest("gpt2", "a100-80g", method="lora,qlora", quant="int8", top=20)
     assert {p.workload.quant for p in s.plans if p.method == "qlora"} == {"int8"}
