@@ -269,3 +269,4 @@ def test_why_this_plan_compares_plans_of_the_same_method():
                                                for p in api.suggest("gpt2", "t4-16g", top=20).plans)
     assert ("checkpointing selective instead of checkpointing none: does not fit or is not possible with the rest "
             "of this plan") in s.why
+

@@ -79,7 +79,7 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     verdict = "[green]fits[/]" if e.headroom_bytes >= 0 else "[red]does not fit[/]"  # the GPU; host RAM below
     c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
             f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
-    if e.cpu_ram_per_node_bytes or e.host_ram_limit_bytes is not None:
+    if e.cpu_ram_per_node_bytes or not e.host_ram_fits:  # host RAM said where offload pins some
         c.print(_host_line(e))
     for n in e.notes:
         c.print(f"note: {n}")
