@@ -135,12 +135,11 @@ def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space, full: Spac
     out = []
     best = found[0] if found else None
     if best and (best.base.kernels or best.base.tiled_mlp):
-        # what the kernels buy: the best plan without them (found is ranked; where the user named the
-        # kernels, the plans without them are searched here as the request's passes search: the plain
-        # Trainer first, DeepSpeed where it does not fit)
-        without = found if (False in sp.kernels and False in sp.tiled) else run_passes(
-            req, full._replace(kernels=[False], tiled=[False]), []).found
-        plain = next((c for c in without if not (c.base.kernels or c.base.tiled_mlp)), None)
+        # what the kernels buy: the best plan without them, searched as the request's passes search (the
+        # plain Trainer first, DeepSpeed where it does not fit). The space holds one kernels setting and one
+        # tiled-MLP setting (the user's, or off), so the best plan's space has no plan without them.
+        without = run_passes(req, full._replace(kernels=[False], tiled=[False]), []).found
+        plain = without[0] if without else None
         out.append(kernels_note(best.base) + ("; without them nothing fits" if plain is None else
                    f"; without them the best plan runs micro batch {plain.mb} at "
                    f"{plain.tokens_per_s / best.tokens_per_s - 1:+.0%} tokens/s"))
