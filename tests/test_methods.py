@@ -19,6 +19,13 @@ def test_lora_and_qlora_plans_fit_a_4090_where_full_fine_tuning_does_not():
     assert "--method lora" in said and "--method qlora" in said
 
 
+def test_nothing_fits_names_the_method_and_the_text_says_its_gain_once(memplan_cli):
+    out = memplan_cli("suggest", "--model", "llama-3.1-8b", "--gpu", "rtx4090").stdout
+    assert "LoRA fits: --method lora or --method qlora" in out
+    gain = "LoRA r8 on 4-bit weights (QLoRA) fits with micro batch"
+    assert out.count(gain) == 1 and f"also fits: --method qlora: {gain}" in out
+
+
 def test_a_model_without_peft_default_targets_is_offered_all_linear_by_name():
     # PEFT has no default target_modules for phi3: the alternative names the targets it assumes
     s = api.suggest("phi-3-mini", "rtx4090")

@@ -77,8 +77,8 @@ class SearchRequest(BaseModel):
     cpu_mem: Annotated[int | None, bounded("cpu_mem")] = None  # host RAM per node, bytes: offload plans must fit it
     net_gbs: float | None = None
     # the fine-tuning method: one, a comma list, or 'any' (full, lora, qlora); None: full fine-tuning, and
-    # the plans LoRA and QLoRA would allow are said in the notes. Rank, targets and the quantisation are
-    # the user's (they change the model): the same for every candidate (docs/finetune.md)
+    # the plans LoRA and QLoRA would allow are offered as alternatives. Rank, targets and the quantisation
+    # are the user's (they change the model): the same for every candidate (docs/finetune.md)
     method: Choice = None
     lora_r: Annotated[int, bounded("lora_r")] = 8
     lora_alpha: float = 8.0

@@ -85,7 +85,9 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     alternatives += kernel_alt + method_alt
     k += k2
     if not found:
-        notes.append(nothing_fits(req, sp, s.host_short) + "".join(f"; {a.change}: {a.gain}" for a in method_alt))
+        # the note names the methods that fit; what they fit with is their alternative (printed once)
+        notes.append(nothing_fits(req, sp, s.host_short)
+                     + (f"; LoRA fits: {' or '.join(a.change for a in method_alt)}" if method_alt else ""))
     whole_front = pareto(found)
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
