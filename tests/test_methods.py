@@ -259,14 +259,6 @@ def test_suggest_says_the_adapters_dtype_where_the_plans_agree():
     assert adapters(gpus=2, zero="2")[0].startswith("adapters half in the model")
 
 
-def test_plans_say_their_method():
-    s = api.suggest("llama-3.1-8b", "rtx4090", method="any")
-    assert {p.method for p in s.plans} <= {"lora", "qlora"} and s.plans
-    assert all(p.model_dump(mode="json")["method"] == p.workload.method for p in s.plans)
-    assert s.searched["method"] == ["full", "lora", "qlora"]
-    assert any(d.startswith("LoRA targets q_proj,v_proj") for d in s.defaults)
-
-
 def test_why_this_plan_compares_plans_of_the_same_method():
     """--method any: the best plan is LoRA, and LoRA has no selective checkpointing (method-no-kernels), so
     no plan 'changes only the checkpointing' to selective: the full fine-tuning plan that does is another
@@ -277,3 +269,10 @@ def test_why_this_plan_compares_plans_of_the_same_method():
     assert ("checkpointing selective instead of checkpointing none: does not fit or is not possible with the rest "
             "of this plan") in s.why
 
+
+def test_plans_say_their_method():
+    s = api.suggest("llama-3.1-8b", "rtx4090", method="any")
+    assert {p.method for p in s.plans} <= {"lora", "qlora"} and s.plans
+    assert all(p.model_dump(mode="json")["method"] == p.workload.method for p in s.plans)
+    assert s.searched["method"] == ["full", "lora", "qlora"]
+    assert any(d.startswith("LoRA targets q_proj,v_proj") for d in s.defaults)
