@@ -199,3 +199,13 @@ def test_a_hub_id_offline_fails_fast_in_one_line():
     assert time.perf_counter() - t0 < 5
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "the Hugging Face hub is unreachable (offline)" in r.stderr
+
+
+def test_estimate_speaks_of_host_ram_only_where_offload_pins_some(memplan_cli):
+    plain = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g")
+    assert plain.returncode == 0 and "offload pins" not in plain.stdout
+    offload = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--zero", "2", "--offload", "optimizer")
+    assert "offload pins" in offload.stdout and "of host RAM per node (1 GPUs): fits in" in offload.stdout
+    short = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--zero", "2", "--offload", "optimizer",
+                        "--cpu-mem", "0.5")
+    assert "does not fit in 512 MiB" in short.stdout

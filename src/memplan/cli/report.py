@@ -41,7 +41,8 @@ def _workload_line(e: MemoryBreakdown) -> str:
     if w.task == "infer":
         gen = f", {w.max_new_tokens} new tokens x {w.beams} beams" if w.max_new_tokens else ""
         return f"infer {w.precision}, batch {w.micro_batch} x seq {w.seq_len}{gen}, attn {w.attn}"
-    line = (f"train {w.precision}, micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
+    tuned = "" if w.method == "full" else f"{method_label(w)}, "
+    line = (f"train {w.precision}, {tuned}micro batch {w.micro_batch} x seq {w.seq_len}, grad accum {w.grad_accum}, "
             f"{w.optim}, checkpointing {w.grad_ckpt}, attn {w.attn}"
             + (", memplan's fused loss" if w.kernels else "") + (", memplan's tiled MLP" if w.tiled_mlp else ""))
     if w.world > 1 or w.zero:
@@ -78,7 +79,7 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     verdict = "[green]fits[/]" if e.headroom_bytes >= 0 else "[red]does not fit[/]"  # the GPU; host RAM below
     c.print(f"peak at {e.peak_phase}; {verdict}: {gib(e.device_used_bytes)} of {gib(e.usable_bytes)} usable "
             f"({e.workload.headroom:.0%} headroom kept), {gib(e.headroom_bytes)} to spare")
-    if e.cpu_ram_per_node_bytes or e.host_ram_limit_bytes is not None:
+    if e.cpu_ram_per_node_bytes or not e.host_ram_fits:  # host RAM said where offload pins some
         c.print(_host_line(e))
     for n in e.notes:
         c.print(f"note: {n}")

@@ -438,11 +438,14 @@ def unquantised_note(spec: ModelSpec, t: Tuning) -> str | None:
             "prepare_model_for_kbit_training up-casts them to fp32")
 
 
-def assumed(spec: ModelSpec, w, given: set[str], half_model: bool = False) -> list[str]:
+def assumed(spec: ModelSpec, w, given: set[str], half_model: bool | None = False) -> list[str]:
     """The defaults line's items for the method knobs `w` holds but the user did not give (`given`: the
-    field names given): PEFT's LoraConfig and transformers' BitsAndBytesConfig defaults, and what the
-    method always assumes (the adapters' dtype, frozen embeddings). half_model: DeepSpeed or FSDP2 run
-    the model in half (states.half_model)."""
+    field names given): PEFT's LoraConfig defaults, memplan's QLoRA quantisation, and what the method
+    always assumes (the adapters' dtype, which embeddings freeze trains). half_model: DeepSpeed or FSDP2 run
+    the model in half (states.half_model); None: that depends on the plan (suggest), and the adapters'
+    dtype is not said."""
+    from memplan.inputs.workload import QUANT_KNOBS  # here: workload imports constraints, which imports this module
+
     said: list[str] = []
     if w.method in ("lora", "qlora"):
         if "lora_targets" not in given and default_targets(spec):
@@ -452,14 +455,20 @@ def assumed(spec: ModelSpec, w, given: set[str], half_model: bool = False) -> li
                  if "lora_" + name not in given]
         if knobs:
             said.append(f"LoRA {', '.join(knobs)} (LoraConfig's defaults)")
-        said.append("adapters half in the model, fp32 in the optimizer (DeepSpeed / FSDP2 mixed precision)"
-                    if half_model else "adapters fp32 (PEFT's autocast_adapter_dtype)")
-    if w.method == "qlora" and w.quant == "int8" and "quant" not in given:
-        said.append("int8 (LLM.int8, BitsAndBytesConfig load_in_8bit)")
-    elif w.method == "qlora" and not {"quant", "double_quant", "compute_dtype", "quant_storage"} <= given:
-        quant = f"{w.quant}" + (", double quantisation" if w.double_quant else "")
-        said.append(f"{quant}, compute dtype {compute_dtype(w)}, storage {w.quant_storage} (BitsAndBytesConfig's "
-                    "defaults; --quant, --double-quant, --compute-dtype, --quant-storage)")
+        if half_model is not None:
+            said.append("adapters half in the model, fp32 in the optimizer (DeepSpeed / FSDP2 mixed precision)"
+                        if half_model else "adapters fp32 (PEFT's autocast_adapter_dtype)")
+    # LLM.int8 (--quant int8, never a default) reads none of the 4-bit settings: nothing to say
+    if w.method == "qlora" and w.quant != "int8" and not set(QUANT_KNOBS) <= given:
+        items = {"quant": w.quant, "double_quant": "double quantisation" if w.double_quant else "no double quantisation",
+                 "compute_dtype": f"compute dtype {compute_dtype(w)}", "quant_storage": f"storage {w.quant_storage}"}
+        quant = [item for knob, item in items.items() if knob not in given]
+        said.append(f"{', '.join(quant)} (memplan's defaults, after QLoRA: BitsAndBytesConfig's own are fp4 without "
+                    "double quantisation, computing in fp32, storage uint8; --quant, --double-quant, --compute-dtype, "
+                    "--quant-storage)")
     if w.method == "freeze" and "modules_to_save" not in given:
-        said.append("embeddings frozen (--modules-to-save to train them)")
+        # a tied head's weight is its input embedding: freeze trains that one tensor with the head (freeze_trains)
+        tied = [g.module for g in spec.params if tied_embedding(spec, g)]
+        said.append(f"embeddings frozen but {tied[0]}, the tied head's weight, trained with it (--modules-to-save to "
+                    "train others)" if tied else "embeddings frozen (--modules-to-save to train them)")
     return said

@@ -12,6 +12,7 @@ the GPU by `check` (estimate) and by the search for every candidate.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -22,8 +23,10 @@ from pydantic import AfterValidator
 
 from memplan.errors import UserError
 from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
-from memplan.estimator.finetune import ALL_LINEAR, default_targets, has_module, linear_names, matches
-from memplan.estimator.rules import INFER_PRECISIONS, PRECISIONS, TRAIN_PRECISIONS
+from memplan.estimator.finetune import (
+    ALL_LINEAR, default_targets, has_module, linear_names, load_dtype, matches, stack_blocks,
+)
+from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
 if TYPE_CHECKING:
     from memplan.inputs.modelspec import ModelSpec
@@ -138,10 +141,19 @@ def precisions_of(task: str) -> tuple[str, ...]:
     return TRAIN_PRECISIONS if task == "train" else INFER_PRECISIONS
 
 
-def float_dtype(precision: str) -> str:
-    """The dtype DeepSpeed and FSDP hold (and gather) the model's float parameters in: the half type of a
-    mixed precision, fp32 under fp32."""
-    return PRECISIONS[precision].half or "fp32"
+@functools.cache
+def method_defaults() -> dict[str, Any]:
+    """The method knobs' defaults, as the Workload declares them (read when first asked: workload.py
+    imports this module)."""
+    from memplan.inputs.workload import METHOD_KNOBS, Workload
+
+    return {k: Workload.model_fields[k].default for k in METHOD_KNOBS}
+
+
+def changed(w: Any, *knobs: str) -> bool:
+    """Whether any of these method knobs differs from its default (a value the user set)."""
+    defaults = method_defaults()
+    return any(getattr(w, k) != defaults[k] for k in knobs)
 
 
 def _cc(gpu: GPUProfile) -> str:
@@ -240,8 +252,8 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: w.method != "full" and w.task == "infer",
        "--method applies to training", {"method": "lora", "task": "infer", "precision": "fp16"}),
     _c("lora-options-need-lora", "workload", "method lora_r lora_alpha lora_dropout lora_targets",
-       lambda w, m, g: w.method not in ("lora", "qlora") and (
-           w.lora_r != 8 or w.lora_alpha != 8 or w.lora_dropout != 0 or w.lora_targets),
+       lambda w, m, g: w.method not in ("lora", "qlora") and changed(w, "lora_r", "lora_alpha", "lora_dropout",
+                                                                     "lora_targets"),
        "--lora-r, --lora-alpha, --lora-dropout and --lora-targets apply to --method lora or qlora",
        {"lora_r": 16}),
     _c("modules-to-save-need-method", "workload", "method modules_to_save",
@@ -249,10 +261,17 @@ TABLE: tuple[Constraint, ...] = (
        "--modules-to-save applies to --method lora, qlora or freeze (full fine-tuning trains everything)",
        {"modules_to_save": ("lm_head",)}),
     _c("quant-options-need-qlora", "workload", "method quant double_quant compute_dtype quant_storage",
-       lambda w, m, g: w.method != "qlora" and (
-           w.quant != "nf4" or not w.double_quant or w.compute_dtype != "auto" or w.quant_storage != "uint8"),
+       lambda w, m, g: w.method != "qlora" and changed(w, "quant", "double_quant", "compute_dtype", "quant_storage"),
        "--quant, --no-double-quant, --compute-dtype and --quant-storage apply to --method qlora",
        {"method": "lora", "quant": "int8"}),
+    # LLM.int8 is BitsAndBytesConfig(load_in_8bit=True): the bnb_4bit_* settings are not read (emit writes
+    # load_in_8bit alone), so they would change nothing
+    _c("four-bit-options-need-4bit", "workload", "method quant double_quant compute_dtype quant_storage",
+       lambda w, m, g: w.method == "qlora" and w.quant == "int8" and changed(w, "double_quant", "compute_dtype",
+                                                                             "quant_storage"),
+       "--no-double-quant, --compute-dtype and --quant-storage apply to 4-bit weights (--quant nf4 or fp4), "
+       "not to LLM.int8 (--quant int8)",
+       {"method": "qlora", "quant": "int8", "compute_dtype": "fp16"}),
     _c("freeze-needs-layers", "workload", "method trainable_layers",
        lambda w, m, g: (w.method == "freeze") != (w.trainable_layers is not None),
        lambda w, m, g: ("--method freeze needs --trainable-layers K (the last K blocks are trained)"
@@ -279,16 +298,18 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: w.method == "qlora" and w.quant == "int8" and (w.zero == 3 or w.fsdp != "none"),
        "--method qlora --quant int8 (LLM.int8) is modelled on one GPU, DDP or ZeRO-1/2, not under ZeRO-3 or FSDP",
        {"method": "qlora", "quant": "int8", "gpus": 2, "zero": 3}),
-    # a 4-bit weight is sharded as one tensor of bnb_4bit_quant_storage's dtype: accelerate 1.15 leaves a
-    # non-floating one out of FSDP2 (utils/fsdp_utils.py fsdp2_prepare_model: "Default uint8 quant_storage
-    # cannot survive fully_shard's DTensor conversion") and transformers sets FSDP's param_dtype to it
+    # a 4-bit weight is sharded as one tensor of bnb_4bit_quant_storage's dtype, and DeepSpeed and FSDP hold
+    # (and gather) the float parameters in the load dtype (finetune.load_dtype: the precision's half type,
+    # fp32 under fp32): accelerate 1.15 leaves a non-floating one out of FSDP2 (utils/fsdp_utils.py
+    # fsdp2_prepare_model: "Default uint8 quant_storage cannot survive fully_shard's DTensor conversion")
+    # and transformers sets FSDP's param_dtype to it
     # (distributed/fsdp.py update_fsdp_plugin_peft); ZeRO-3 flattens it with the half parameters (peft
     # docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3": bnb_4bit_quant_storage=torch.bfloat16)
     _c("qlora-sharded-storage", "workload", "method quant quant_storage precision zero fsdp",
        lambda w, m, g: w.method == "qlora" and w.quant != "int8" and (w.zero == 3 or w.fsdp != "none")
-       and w.quant_storage != float_dtype(w.precision),
+       and w.quant_storage != load_dtype(w),
        lambda w, m, g: f"--method qlora under {'--zero 3' if w.zero == 3 else '--fsdp'} needs --quant-storage "
-                       f"{float_dtype(w.precision)} (the 4-bit weights are sharded as tensors of the model's "
+                       f"{load_dtype(w)} (the 4-bit weights are sharded as tensors of the model's "
                        f"dtype), not {w.quant_storage}",
        {"method": "qlora", "gpus": 2, "zero": 3, "precision": "bf16"}),
     _c("qlora-no-param-offload", "workload", "method offload",
@@ -383,9 +404,8 @@ TABLE: tuple[Constraint, ...] = (
                        f"{next(n for n in w.modules_to_save if not has_module(m, n))!r}",
        {"method": "lora", "modules_to_save": ("nonexistent",)}),
     _c("trainable-layers-within-model", "model", "trainable_layers",
-       lambda w, m, g: w.trainable_layers is not None and w.trainable_layers > (m.num_decoder_layers or m.num_layers),
-       lambda w, m, g: f"--trainable-layers {w.trainable_layers} exceeds {m.name}'s "
-                       f"{m.num_decoder_layers or m.num_layers} blocks",
+       lambda w, m, g: w.trainable_layers is not None and w.trainable_layers > stack_blocks(m),
+       lambda w, m, g: f"--trainable-layers {w.trainable_layers} exceeds {m.name}'s {stack_blocks(m)} blocks",
        {"method": "freeze", "trainable_layers": 99}),
     # each virtual stage holds layers / (pp * vpp) whole layers (Megatron-LM asserts the division)
     _c("vpp-divides-layers", "model", "pp vpp",

@@ -128,6 +128,11 @@ class Workload(BaseModel):
     def _precision(cls, v: str) -> str:
         return str(v).strip().lower()
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, v: str) -> str:  # as suggest's --method reads it (search/request.py parse_choice)
+        return str(v).strip().lower()
+
     @model_validator(mode="after")
     def _check(self) -> "Workload":
         problem = workload_problem(self)  # the workload-only entries of the constraints table

@@ -110,7 +110,9 @@ def _knob(knob: str, v) -> str:
 
 
 WHY_KNOBS = ("sharding", "offload", "tp", "pp", "sp", "vpp", "grad_ckpt", "attn", "kernels", "tiled_mlp")
-FIXED = WHY_KNOBS + ("precision", "optim")
+# the knobs a compared plan must share with the best one besides the knob it changes: the method too (a
+# full fine-tuning plan says nothing about a LoRA plan's checkpointing)
+FIXED = WHY_KNOBS + ("precision", "optim", "method")
 
 
 def explain(best: Candidate, cands: list[Candidate], space) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -13,9 +14,32 @@ from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import KNOBS_OF, METHOD_KNOBS, Workload, module_names
 
 OBJECTIVES = ("throughput", "min-gpus", "headroom")
+METHODS = ("full", "lora", "qlora", "freeze")
 # the request's fields whose CLI option has another name
 OPTION_NAMES = {"global_batch": "batch-size"}
 Choice = str | int | None  # a value, a comma list, 'any', or None for memplan's default
+
+
+def parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x,
+                 known: Iterable[str] | None = None) -> list[str]:
+    """A knob option's values: None: the default; 'any': every value; else a comma list of names, each one
+    of `known` (the names that exist; `every` unless given: a name that exists but cannot run here is left
+    to the constraints table, which says why)."""
+    if value is None:
+        return default
+    if str(value).strip().lower() == "any":
+        return list(every)
+    names = list(every if known is None else known)
+    out = []
+    for item in str(value).split(","):
+        try:
+            item = canon(item.strip().lower())
+        except ValueError as e:  # canonical_optim's "unknown optimizer ..."
+            raise UserError(str(e)) from None
+        if item not in names:
+            raise UserError(f"unknown {what} {item!r} (choose from {', '.join(names)}, or 'any')")
+        out.append(item)
+    return out
 
 
 class SearchRequest(BaseModel):
@@ -53,8 +77,8 @@ class SearchRequest(BaseModel):
     cpu_mem: Annotated[int | None, bounded("cpu_mem")] = None  # host RAM per node, bytes: offload plans must fit it
     net_gbs: float | None = None
     # the fine-tuning method: one, a comma list, or 'any' (full, lora, qlora); None: full fine-tuning, and
-    # the plans LoRA and QLoRA would allow are said in the notes. Rank, targets and the quantisation are
-    # the user's (they change the model): the same for every candidate (docs/finetune.md)
+    # the plans LoRA and QLoRA would allow are offered as alternatives. Rank, targets and the quantisation
+    # are the user's (they change the model): the same for every candidate (docs/finetune.md)
     method: Choice = None
     lora_r: Annotated[int, bounded("lora_r")] = 8
     lora_alpha: float = 8.0
@@ -77,12 +101,14 @@ class SearchRequest(BaseModel):
     def _consistent(self) -> SearchRequest:
         try:  # the fields every candidate shares, validated once here rather than refused per candidate
             Workload(**self.common())
-            named = str(self.method or "full").strip().lower()
-            if "," not in named and named != "any":  # one method: its knobs as the user gave them
-                Workload(**self.common(), method=named, **{k: getattr(self, k) for k in METHOD_KNOBS})
-            elif self.train:
-                for m in KNOBS_OF.keys() - {"full"} - ({"freeze"} if self.trainable_layers is None else set()):
-                    Workload(**self.common(), **self.tuning(m))
+            methods = self.methods
+            for m in dict.fromkeys(methods):  # each method named, with the knobs it reads as the user gave them
+                Workload(**self.common(), **self.tuning(m))
+            # a knob none of the methods reads would be dropped from every plan: refused as estimate refuses it
+            # (the constraints table's entry for the knob, which full fine-tuning never reads)
+            unread = sorted(self.model_fields_set & set(METHOD_KNOBS) - {k for m in methods for k in KNOBS_OF[m]})
+            if unread:
+                Workload(**self.common(), method="full", **{k: getattr(self, k) for k in unread})
         except ValidationError as e:
             raise ValueError(validation_line(e, options=True, renamed=OPTION_NAMES)) from None
         return self
@@ -98,6 +124,15 @@ class SearchRequest(BaseModel):
     @property
     def train(self) -> bool:
         return self.task == "train"
+
+    @property
+    def methods(self) -> list[str]:
+        """The fine-tuning methods searched: --method's names; 'any': full, lora, qlora, and freeze where
+        --trainable-layers says how many blocks it trains (inference: full only); None: full fine-tuning.
+        A UserError for a name that is no method."""
+        every = (["full", "lora", "qlora"] + (["freeze"] if self.trainable_layers is not None else [])
+                 if self.train else ["full"])
+        return parse_choice(self.method, every, ["full"], "method", known=METHODS)
 
     def common(self) -> dict[str, Any]:
         """The Workload fields every candidate shares."""

@@ -3,7 +3,7 @@ layouts over the GPUs, and every candidate of a layout that the constraints tabl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from memplan.errors import UserError
@@ -14,7 +14,7 @@ from memplan.inputs.defaults import precision as best_mixed_precision, seq_len a
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import ATTN_ALIASES, METHOD_KNOBS, Workload, canonical_optim
-from memplan.search.request import SearchRequest
+from memplan.search.request import SearchRequest, parse_choice
 
 ATTNS = ("flash", "sdpa", "eager", "memplan")
 CKPTS = ("none", "selective", "full")
@@ -27,7 +27,6 @@ FSDPS = ("none", "full-shard", "shard-grad-op", "hybrid-shard")
 KNOBS = {"precision": "precisions", "optim": "optims", "grad_ckpt": "ckpts", "attn": "attns", "tp": "tps", "pp": "pps",
          "zero": "zeros", "offload": "offloads", "sp": "sps", "vpp": "vpps", "fsdp": "fsdps", "kernels": "kernels",
          "tiled_mlp": "tiled", "method": "methods"}
-METHODS = ("full", "lora", "qlora", "freeze")
 
 
 class Space(NamedTuple):
@@ -62,33 +61,6 @@ def supported_precisions(spec: ModelSpec, gpu: GPUProfile, task: str) -> list[st
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def methods_any(req: SearchRequest) -> list[str]:
-    """--method any: full, lora, qlora, and freeze where --trainable-layers says how many blocks it trains."""
-    return ["full", "lora", "qlora"] + (["freeze"] if req.trainable_layers is not None else [])
-
-
-def _parse_choice(value, every: Iterable[str], default: list[str], what: str, canon=lambda x: x,
-                  known: Iterable[str] | None = None) -> list[str]:
-    """None: the default; 'any': every value; else a comma list of names, each one of `known` (the
-    names that exist; `every` unless given: a name that exists but cannot run here is left to the
-    constraints table, which says why)."""
-    if value is None:
-        return default
-    if str(value).strip().lower() == "any":
-        return list(every)
-    names = list(every if known is None else known)
-    out = []
-    for item in str(value).split(","):
-        try:
-            item = canon(item.strip().lower())
-        except ValueError as e:  # canonical_optim's "unknown optimizer ..."
-            raise UserError(str(e)) from None
-        if item not in names:
-            raise UserError(f"unknown {what} {item!r} (choose from {', '.join(names)}, or 'any')")
-        out.append(item)
-    return out
 
 
 def _parse_ints(value, every: list[int], what: str) -> list[int]:
@@ -137,26 +109,26 @@ def _values(req: SearchRequest) -> Space:
     return Space(
         seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or chosen.GLOBAL_BATCH,
         gpus=req.gpus, nodes=req.nodes,
-        precisions=_parse_choice(req.precision, supported_precisions(spec, gpu, req.task),
-                                 [best_mixed_precision(gpu, req.task)], "precision",
-                                 known=constraints.precisions_of(req.task)),
-        optims=_parse_choice(req.optim, list(OPTIMIZERS), [chosen.OPTIM], "optimizer", canonical_optim)
+        precisions=parse_choice(req.precision, supported_precisions(spec, gpu, req.task),
+                                [best_mixed_precision(gpu, req.task)], "precision",
+                                known=constraints.precisions_of(req.task)),
+        optims=parse_choice(req.optim, list(OPTIMIZERS), [chosen.OPTIM], "optimizer", canonical_optim)
         if train else [chosen.OPTIM],
-        ckpts=_parse_choice(req.grad_ckpt, CKPTS, list(CKPTS) if train else ["none"], "checkpointing"),
-        attns=_parse_choice(req.attn, ATTNS, attns, "attention", lambda a: ATTN_ALIASES.get(a, a)),
+        ckpts=parse_choice(req.grad_ckpt, CKPTS, list(CKPTS) if train else ["none"], "checkpointing"),
+        attns=parse_choice(req.attn, ATTNS, attns, "attention", lambda a: ATTN_ALIASES.get(a, a)),
         tps=_parse_ints(req.tp, divisors(req.gpus) if train else [1], "tp"),
         pps=_parse_ints(req.pp, divisors(world) if train else [1], "pp"),
-        zeros=[int(z) for z in _parse_choice(req.zero, ZEROS, list(ZEROS) if train and req.fsdp is None else ["0"],
-                                             "zero")],
-        offloads=_parse_choice(req.offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
-        sps=[s == "on" for s in _parse_choice(req.sp, ("off", "on"), ["off", "on"], "sp")],
+        zeros=[int(z) for z in parse_choice(req.zero, ZEROS, list(ZEROS) if train and req.fsdp is None else ["0"],
+                                            "zero")],
+        offloads=parse_choice(req.offload, OFFLOADS, list(OFFLOADS) if train else ["none"], "offload"),
+        sps=[s == "on" for s in parse_choice(req.sp, ("off", "on"), ["off", "on"], "sp")],
         vpps=_parse_ints(req.vpp, [1, 2], "vpp"),
         # naming one framework's sharding (--zero or --fsdp) leaves the other out unless it is named too
-        fsdps=_parse_choice(req.fsdp, FSDPS, list(FSDPS) if train and req.zero is None and world > 1 else ["none"],
-                            "fsdp"),
+        fsdps=parse_choice(req.fsdp, FSDPS, list(FSDPS) if train and req.zero is None and world > 1 else ["none"],
+                           "fsdp"),
         kernels=[chosen.KERNELS] if req.kernels is None else [req.kernels],
         tiled=[chosen.TILED_MLP] if req.tiled_mlp is None else [req.tiled_mlp],
-        methods=_parse_choice(req.method, methods_any(req) if train else ["full"], ["full"], "method", known=METHODS),
+        methods=req.methods,
     )
 
 

@@ -23,6 +23,7 @@ import time
 from typing import Any, NamedTuple
 
 from memplan.estimator.finetune import ALL_LINEAR, assumed, default_targets
+from memplan.estimator.states import half_model
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -84,12 +85,14 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     alternatives += kernel_alt + method_alt
     k += k2
     if not found:
-        notes.append(nothing_fits(req, sp, s.host_short) + "".join(f"; {a.change}: {a.gain}" for a in method_alt))
+        # the note names the methods that fit; what they fit with is their alternative (printed once)
+        notes.append(nothing_fits(req, sp, s.host_short)
+                     + (f"; LoRA fits: {' or '.join(a.change for a in method_alt)}" if method_alt else ""))
     whole_front = pareto(found)
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
         global_batch_default=req.global_batch is None, gpus=sp.gpus,
-        nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp), searched=searched(sp, req.gpus * req.nodes),
+        nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp, found), searched=searched(sp, req.gpus * req.nodes),
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
         plans=[plan(req, c) for c in distinct(found, req.top)],
@@ -134,12 +137,11 @@ def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space, full: Spac
     out = []
     best = found[0] if found else None
     if best and (best.base.kernels or best.base.tiled_mlp):
-        # what the kernels buy: the best plan without them (found is ranked; where the user named the
-        # kernels, the plans without them are searched here as the request's passes search: the plain
-        # Trainer first, DeepSpeed where it does not fit)
-        without = found if (False in sp.kernels and False in sp.tiled) else run_passes(
-            req, full._replace(kernels=[False], tiled=[False]), []).found
-        plain = next((c for c in without if not (c.base.kernels or c.base.tiled_mlp)), None)
+        # what the kernels buy: the best plan without them, searched as the request's passes search (the
+        # plain Trainer first, DeepSpeed where it does not fit). The space holds one kernels setting and one
+        # tiled-MLP setting (the user's, or off), so the best plan's space has no plan without them.
+        without = run_passes(req, full._replace(kernels=[False], tiled=[False]), []).found
+        plain = without[0] if without else None
         out.append(kernels_note(best.base) + ("; without them nothing fits" if plain is None else
                    f"; without them the best plan runs micro batch {plain.mb} at "
                    f"{plain.tokens_per_s / best.tokens_per_s - 1:+.0%} tokens/s"))
@@ -242,15 +244,18 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
     return out, n
 
 
-def method_defaults(req: SearchRequest, sp: Space) -> list[str]:
+def method_defaults(req: SearchRequest, sp: Space, found: list[Candidate]) -> list[str]:
     """The defaults line's items for the knobs of the fine-tuning methods searched (finetune.assumed), once
-    each; the adapters' dtype only on one GPU (under ZeRO / FSDP it depends on the plan)."""
+    each, for the precision of the best plan (or the first searched): the compute dtype follows it. The
+    adapters' dtype where every fitting plan of the method runs the model alike (states.half_model)."""
     said: list[str] = []
+    precision = found[0].base.precision if found else sp.precisions[0]
     for m in sp.methods:
         if m != "full":
-            w = Workload(**req.common(), **req.tuning(m))
-            said += [x for x in assumed(req.spec, w, req.model_fields_set)
-                     if x not in said and (sp.world == 1 or not x.startswith("adapters"))]
+            w = Workload(**req.common(), precision=precision, **req.tuning(m))
+            half = {half_model(c.base) for c in found if c.base.method == m}
+            said += [x for x in assumed(req.spec, w, req.model_fields_set, half.pop() if len(half) == 1 else None)
+                     if x not in said]
     return said
 
 
