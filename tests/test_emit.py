@@ -404,6 +404,19 @@ def test_qlora_bnb_config_builds_the_planned_bitsandbytes_config(precision, fiel
                                                                                      "bnb_config.json")
 
 
+def test_plan_json_names_only_the_method_files_written(llama_plans):
+    """--emit accelerate writes no lora_config.json / bnb_config.json (no train.py reads them): plan.json's
+    launch names none; --emit trainer writes and names both."""
+    plan = with_method(llama_plans["bf16"], method="qlora")
+    spec = memplan.resolve_model("llama-3.2-1b")
+    files = emit.render(plan, spec, ("accelerate",))
+    assert "lora_config.json" not in files and "bnb_config.json" not in files
+    launch = json.loads(files["plan.json"])["launch"]
+    assert (launch["method"], launch["lora_config"], launch["quantization_config"]) == ("qlora", None, None)
+    launch = json.loads(emit.render(plan, spec, ("trainer",))["plan.json"])["launch"]
+    assert (launch["lora_config"], launch["quantization_config"]) == ("lora_config.json", "bnb_config.json")
+
+
 def test_lora_config_resolves_peft_defaults_and_builds_a_lora_config(llama_plans):
     from peft import LoraConfig, TaskType
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS

@@ -78,10 +78,11 @@ def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict
         "kernels": kernels(plan),
         # full: TrainingArguments' checkpointing field; selective: memplan.selective.enable_selective(model)
         "checkpointing": plan.grad_ckpt,
-        # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`
+        # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`;
+        # a file is named only where it was written (the trainer kind writes them, with train.py)
         "method": method,
-        "lora_config": LORA_CONFIG if adapters(plan) else None,
-        "quantization_config": BNB_CONFIG if method == "qlora" else None,
+        "lora_config": LORA_CONFIG if adapters(plan) and LORA_CONFIG in files else None,
+        "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
         "freeze": freeze_section(plan, spec) if method == "freeze" else None,
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         "command": command(plan, files),
