@@ -346,6 +346,18 @@ def test_cli_emit_refuses_before_searching_every_file_it_may_write(tmp_path, mem
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
 
 
+def test_emit_accelerate_claims_only_the_files_it_writes(ddp_plan, tmp_path):
+    """The accelerate YAML alone starts nothing (launch.sh runs train.py, the trainer kind's): it writes no
+    launch.sh, so an -o holding one is not refused for it; --emit all still checks launch.sh."""
+    files = emit.render(ddp_plan, memplan.resolve_model("bert-large"), ("accelerate",))
+    assert "launch.sh" not in files and "accelerate_config.yaml" in files
+    assert "launch.sh" not in emit.emit_names("accelerate") and "launch.sh" in emit.emit_names("all")
+    (tmp_path / "launch.sh").write_text("mine")
+    emit.check_directory(str(tmp_path), emit.emit_names("accelerate"))
+    with pytest.raises(UserError, match="launch.sh"):
+        emit.check_directory(str(tmp_path), emit.emit_names("all"))
+
+
 def test_trainer_files_of_a_deepspeed_plan_bring_the_ds_config_they_name():
     p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]
     files = emit.render(p, memplan.resolve_model("llama-3.1-8b"), ("trainer",))

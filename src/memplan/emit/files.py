@@ -24,9 +24,10 @@ TRAINING_ARGS_PY = "training_args.py"
 # The files each kind may write, whatever the plan turns out to be: the CLI refuses a clash with any of
 # them before it searches. The trainer and accelerate files point at ds_config.json under DeepSpeed, so
 # it comes with them; train.py's LoRA and quantisation configs with the trainer files; plan.json always.
+# launch.sh starts train.py, which only the trainer kind writes (launch.py command), so it is the trainer's.
 MAY_WRITE = {"trainer": (TRAINING_ARGS, TRAINING_ARGS_PY, TRAIN_PY, LAUNCH_SH, DS_CONFIG, LORA_CONFIG, BNB_CONFIG),
              "deepspeed": (DS_CONFIG,),
-             "accelerate": (ACCELERATE_YAML, LAUNCH_SH, DS_CONFIG)}
+             "accelerate": (ACCELERATE_YAML, DS_CONFIG)}
 
 
 def sidecar(plan, launch: dict | None = None) -> dict:
