@@ -13,10 +13,6 @@ from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 
-def adapters(plan) -> bool:
-    return plan.workload.method in ("lora", "qlora")
-
-
 def lora_kwargs(w, head: str, targets) -> dict:
     """peft.LoraConfig keyword arguments of a workload; `targets`: target_modules as given to PEFT (a list,
     "all-linear", or None for PEFT's own default). task_type from the head (estimator/finetune.py

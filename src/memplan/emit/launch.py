@@ -7,8 +7,8 @@ from __future__ import annotations
 import shlex
 
 from memplan.emit.common import ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LORA_CONFIG, TRAIN_PY, uses_deepspeed
-from memplan.emit.finetune import adapters, freeze_section
-from memplan.estimator.finetune import load_dtype
+from memplan.emit.finetune import freeze_section
+from memplan.estimator.finetune import load_dtype, uses_adapters
 from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.hf import HEADS
 from memplan.inputs.modelspec import ModelSpec
@@ -81,7 +81,7 @@ def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict
         # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`;
         # a file is named only where it was written (the trainer kind writes them, with train.py)
         "method": method,
-        "lora_config": LORA_CONFIG if adapters(plan) and LORA_CONFIG in files else None,
+        "lora_config": LORA_CONFIG if uses_adapters(method) and LORA_CONFIG in files else None,
         "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
         "freeze": freeze_section(plan, spec) if method == "freeze" else None,
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],

@@ -177,7 +177,7 @@ def apply_method(model, w: Workload, head: str):
     prepare_model_for_kbit_training turns it on); returns the model that trains."""
     if w.method == "freeze":
         freeze_layers(model, w, head)
-    if w.method not in ("lora", "qlora"):
+    if not finetune.uses_adapters(w.method):
         return model
     return add_adapters(model, w, head)
 
