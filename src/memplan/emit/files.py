@@ -13,7 +13,7 @@ from memplan.emit.accelerate_yaml import accelerate_config
 from memplan.emit.common import (ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LAUNCH_SH, LORA_CONFIG, PLAN_JSON, TRAIN_PY,
                                  TRAINING_ARGS, uses_deepspeed)
 from memplan.emit.ds_config import deepspeed_config
-from memplan.emit.finetune import bnb_config, lora_config
+from memplan.emit.finetune import bnb_kwargs, lora_config
 from memplan.emit.launch import launch_script, launch_section
 from memplan.emit.trainer import training_arguments, training_arguments_py
 from memplan.errors import UserError
@@ -74,7 +74,7 @@ def method_files(plan, spec: ModelSpec) -> dict[str, str]:
     if uses_adapters(plan.workload.method):
         out[LORA_CONFIG] = json.dumps(lora_config(plan, spec), indent=1) + "\n"
     if plan.workload.method == "qlora":
-        out[BNB_CONFIG] = json.dumps(bnb_config(plan), indent=1) + "\n"
+        out[BNB_CONFIG] = json.dumps(bnb_kwargs(plan.workload), indent=1) + "\n"
     return out
 
 

@@ -24,17 +24,15 @@ columns whose count depends on the data. qlora runs on --device cpu (real tensor
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
 from memplan.errors import UserError
 from memplan.emit.finetune import bnb_kwargs, lora_kwargs
 from memplan.estimator import finetune
-from memplan.estimator.finetune import ALL_LINEAR
 from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.hf import categorize, module_path
-from memplan.inputs.modelspec import ParamGroup
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
 def load_dtype(w: Workload) -> torch.dtype:
@@ -48,8 +46,8 @@ def check_device(w: Workload, device: str) -> None:
                         "tensors); use --device cpu with a small model, or cuda")
 
 
-def bnb_config(w: Workload):
-    """The BitsAndBytesConfig the emitted bnb_config.json holds for this workload."""
+def bnb_quantization_config(w: Workload):
+    """The transformers.BitsAndBytesConfig the emitted bnb_config.json holds for this workload."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(**bnb_kwargs(w))
@@ -69,7 +67,7 @@ def quantise(model, w: Workload) -> None:
     import bitsandbytes as bnb
     from transformers.quantizers.auto import AutoHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(bnb_config(w), pre_quantized=False)
+    quantizer = AutoHfQuantizer.from_config(bnb_quantization_config(w), pre_quantized=False)
     floats = {name: (m.weight, m.bias) for name, m in model.named_modules()
               if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"}
     with suspend_fake():
@@ -99,21 +97,15 @@ def quantised_weight(meta_param, value: torch.Tensor):
     return param.to(device)  # not yet quantised and leaving the meta device: bnb quantises here
 
 
-def lora_config(w: Workload, head: str):
-    """The LoraConfig of the emitted lora_config.json, but for the targets: none named, PEFT applies its own
-    default for the model type, as in a script that names none (tests/test_finetune.py holds memplan's copy
-    of those defaults to PEFT's)."""
+def peft_lora_config(w: Workload, spec: ModelSpec):
+    """The peft.LoraConfig of the emitted lora_config.json, but for the targets: none named, PEFT applies its
+    own default for the model type, as in a script that names none (emit.finetune.lora_kwargs)."""
     from peft import LoraConfig
 
-    targets: Any = None
-    if w.lora_targets == (ALL_LINEAR,):
-        targets = ALL_LINEAR
-    elif w.lora_targets:
-        targets = list(w.lora_targets)
-    return LoraConfig(**lora_kwargs(w, head, targets))
+    return LoraConfig(**lora_kwargs(w, spec, resolve_default=False))
 
 
-def add_adapters(model, w: Workload, head: str):
+def add_adapters(model, w: Workload, spec: ModelSpec):
     """get_peft_model on the (prepared) base; the PeftModel trains."""
     from peft import get_peft_model
 
@@ -123,7 +115,7 @@ def add_adapters(model, w: Workload, head: str):
         # (torch.utils.swap_tensors) and fails on the fake mode's weak references to it; the adapters are
         # made on the meta device instead and become FakeTensors afterwards (materialize_meta)
         with suspend_fake() if fake else contextlib.nullcontext(), torch.device("meta") if fake else contextlib.nullcontext():
-            model = get_peft_model(model, lora_config(w, head))
+            model = get_peft_model(model, peft_lora_config(w, spec))
     except ValueError as e:
         raise UserError(f"--method {w.method}: PEFT cannot add LoRA adapters: {str(e).splitlines()[0]}") from None
     if fake:
@@ -159,12 +151,9 @@ def prepare_kbit(model, w: Workload) -> None:
                                     gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def freeze_layers(model, w: Workload, head: str) -> None:
-    """freeze: requires_grad as estimator/finetune.py freeze_trains decides for each parameter, read off the
-    built model (its spec from the same config)."""
-    from memplan.inputs.hf import spec_from_config
-
-    spec, t = spec_from_config(model.config, "verify", head=head), finetune.Tuning.of(w)
+def freeze_layers(model, w: Workload, spec: ModelSpec) -> None:
+    """freeze: requires_grad as estimator/finetune.py freeze_trains decides for each parameter."""
+    t = finetune.Tuning.of(w)
     for name, p in model.named_parameters():
         owner = name.rpartition(".")[0]
         g = ParamGroup(category=categorize(name), shape=tuple(p.shape), module=module_path(owner))
@@ -172,14 +161,14 @@ def freeze_layers(model, w: Workload, head: str) -> None:
         p.requires_grad_(finetune.freeze_trains(spec, t, g, index))
 
 
-def apply_method(model, w: Workload, head: str):
+def apply_method(model, w: Workload, spec: ModelSpec):
     """The method on a built base model (its checkpointing already on, but for qlora where
-    prepare_model_for_kbit_training turns it on); returns the model that trains."""
+    prepare_model_for_kbit_training turns it on); returns the model that trains. `spec`: the model's."""
     if w.method == "freeze":
-        freeze_layers(model, w, head)
+        freeze_layers(model, w, spec)
     if not finetune.uses_adapters(w.method):
         return model
-    return add_adapters(model, w, head)
+    return add_adapters(model, w, spec)
 
 
 def quant_state_tensors(model) -> list[torch.Tensor]:
