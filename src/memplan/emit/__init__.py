@@ -6,7 +6,7 @@
   counted (memplan.estimator.parallel.ds_buckets), explicit rather than "auto" so the file and the
   estimate agree, and DeepSpeed's own optimizer under offload (ds_config.py);
 - `accelerate_config(plan, spec)`: the YAML for `accelerate launch --config_file` (accelerate_yaml.py);
-- `launch_section(plan, files)`: plan.json's `launch`: the model's loading kwargs, the kernels, the
+- `launch_section(plan, files, spec)`: plan.json's `launch`: the model's loading kwargs, the kernels, the
   checkpointing, what no file can express, the launch command (launch.py);
 - `lora_config(plan, spec)`, `bnb_kwargs(workload)`, `freeze_section(plan, spec)`: the fine-tuning method's
   peft.LoraConfig and transformers.BitsAndBytesConfig keyword arguments, and what a frozen run trains

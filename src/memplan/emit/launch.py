@@ -63,13 +63,11 @@ def command(plan, files: set[str]) -> str | None:
     return f"python {TRAIN_PY}"
 
 
-def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict:
-    """plan.json's `launch`: what train.py reads, and what it cannot do, as data. `spec`: needed for
-    --method freeze (the module paths it trains)."""
+def launch_section(plan, files: set[str], spec: ModelSpec) -> dict:
+    """plan.json's `launch`: what train.py reads, and what it cannot do, as data. `spec`: the model's (the
+    module paths --method freeze trains)."""
     model = plan.estimate.model
     method = plan.workload.method
-    if method == "freeze" and spec is None:
-        raise ValueError("freeze plans need the model spec (the modules to train)")
     return {
         "model": model.hf_id or model.name,
         "auto_class": HEADS[model.head],  # the transformers Auto class that builds the planned head
@@ -83,7 +81,7 @@ def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict
         "method": method,
         "lora_config": LORA_CONFIG if uses_adapters(method) and LORA_CONFIG in files else None,
         "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
-        "freeze": freeze_section(plan, spec) if method == "freeze" else None,
+        "freeze": freeze_section(plan, spec),  # None but for --method freeze
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         "command": command(plan, files),
     }

@@ -85,10 +85,10 @@ def hf_checkpointing(args) -> bool:
     return bool(getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)))
 
 
-def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None):
+def tune(model, launch: dict, directory: Path, checkpointing: bool):
     """The fine-tuning method: LoRA adapters (PEFT), after prepare_model_for_kbit_training for QLoRA, or
     the frozen layers of --method freeze; full fine-tuning trains the model as it is. checkpointing: the
-    Trainer's own (None: as planned); under FSDP the wrapper checkpoints, so PEFT must not as well."""
+    Trainer's own (hf_checkpointing); under FSDP the wrapper checkpoints, so PEFT must not as well."""
     if launch.get("freeze"):
         return freeze(model, launch["freeze"])
     if not launch.get("lora_config"):
@@ -98,8 +98,6 @@ def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None
     if launch.get("quantization_config"):
         # fp32 copies of the non-quantised parameters, checkpointing as planned (non-reentrant: the
         # frozen inputs need no requires_grad hook)
-        if checkpointing is None:
-            checkpointing = launch["checkpointing"] == "full"
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                      gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(**json.loads((directory / launch["lora_config"]).read_text()))

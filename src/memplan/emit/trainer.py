@@ -32,11 +32,12 @@ def fsdp_config(plan, spec: ModelSpec) -> dict:
             "activation_checkpointing": plan.grad_ckpt == "full"}
 
 
-def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "out") -> dict:
+def training_arguments(plan, spec: ModelSpec, output_dir: str = "out") -> dict:
     """TrainingArguments keyword arguments for the plan (Trainer runs DDP, DeepSpeed and FSDP plans)."""
     if plan.pp > 1:
         raise UserError("pipeline-parallel plans need a DeepSpeed PipelineModule; the HF Trainer cannot run them "
                         "(emit --emit deepspeed for the ds_config.json)")
+    ckpt = checkpointing_field()
     kw: dict = {
         "output_dir": output_dir,
         "per_device_train_batch_size": plan.micro_batch,
@@ -44,7 +45,7 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
         "optim": plan.optim,  # under offload DeepSpeed builds the optimizer (ds_config.json's section) instead
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
-        checkpointing_field(): plan.grad_ckpt == "full",
+        ckpt: plan.grad_ckpt == "full",
         "max_grad_norm": GRADIENT_CLIPPING,
         "dataloader_pin_memory": True,
         "dataloader_num_workers": DATALOADER_WORKERS,
@@ -53,18 +54,16 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
     if uses_deepspeed(plan):
         kw["deepspeed"] = DS_CONFIG
     if plan.fsdp != "none":
-        if spec is None:
-            raise ValueError("FSDP plans need the model spec (the layer class to wrap)")
         kw["fsdp"] = True
         kw["fsdp_config"] = fsdp_config(plan, spec)
-        kw[checkpointing_field()] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
-    if kw[checkpointing_field()]:
+        kw[ckpt] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
+    if kw[ckpt]:
         # non-reentrant checkpointing, explicit: with frozen layers below (LoRA, freeze) the reentrant
         # kind sees no input that requires grad and returns no gradient for the layers it recomputes
         # (torch.utils.checkpoint docs); transformers 5.23 defaults to it (modeling_utils.py
         # _activation_checkpointing_enable), earlier versions did not
-        kw[checkpointing_field() + "_kwargs"] = {"use_reentrant": False}
-    if spec is not None and compile_pays(plan, spec):
+        kw[ckpt + "_kwargs"] = {"use_reentrant": False}
+    if compile_pays(plan, spec):
         kw["torch_compile"] = True
     # little headroom left: return cached blocks between steps so fragmentation cannot grow into an OOM
     if plan.estimate.headroom_bytes < 0.02 * plan.estimate.capacity_bytes:
