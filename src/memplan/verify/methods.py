@@ -129,17 +129,19 @@ def is_fake(t) -> bool:
     return fake_check(t)
 
 
-def materialize_meta(model) -> None:
-    """Meta parameters and buffers -> empty tensors of the active (fake) mode, each keeping its dtype."""
+def materialize_meta(model, dtype: torch.dtype | None = None) -> None:
+    """Meta parameters and buffers -> empty CPU tensors of the active mode (FakeTensors under FakeTensorMode),
+    tied ones kept tied; floating ones in `dtype` (None: each keeps its own). Module.to_empty cannot swap
+    meta for fake tensors."""
     done: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in table.items():
-                # type(): a quantised weight (Params4bit around fake data) reports the meta device too
-                if t is None or t.device.type != "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                if t is None or t.device.type != "meta":
                     continue
                 if id(t) not in done:
-                    new = torch.empty_like(t, device="cpu")
+                    kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    new = torch.empty_like(t, device="cpu", dtype=kind)
                     done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
                 table[name] = done[id(t)]
 

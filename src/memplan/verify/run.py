@@ -207,7 +207,7 @@ def setup(config, head: str | None, w: Workload, device: str, spec: ModelSpec | 
     with torch.device(device):
         model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
     if device == "meta":
-        _materialize(model, dtype)
+        methods.materialize_meta(model, dtype)
     elif next(model.parameters()).dtype != dtype:
         model.to(dtype)
     if w.method == "qlora":
@@ -263,23 +263,6 @@ def _is_moe(config) -> bool:
     from memplan.inputs.hf import is_moe_config
 
     return is_moe_config(config)
-
-
-def _materialize(model, dtype) -> None:
-    """Meta parameters and buffers -> empty CPU tensors of the active mode (FakeTensors under
-    FakeTensorMode), keeping tied parameters tied. Module.to_empty cannot swap meta for fake tensors."""
-    import torch
-
-    done: dict[int, torch.Tensor] = {}
-    for mod in model.modules():
-        for table in (mod._parameters, mod._buffers):
-            for name, t in table.items():
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    new = torch.empty_like(t, device="cpu", dtype=dtype if t.is_floating_point() else t.dtype)
-                    done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
-                table[name] = done[id(t)]
 
 
 def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
