@@ -8,7 +8,7 @@
 - `accelerate_config(plan, spec)`: the YAML for `accelerate launch --config_file` (accelerate_yaml.py);
 - `launch_section(plan, files, spec)`: plan.json's `launch`: the model's loading kwargs, the kernels, the
   checkpointing, what no file can express, the launch command (launch.py);
-- `lora_config(plan, spec)`, `bnb_kwargs(workload)`, `freeze_section(plan, spec)`: the fine-tuning method's
+- `lora_config(plan, spec)`, `bnb_kwargs(workload)`, `freeze_section(workload, spec)`: the fine-tuning method's
   peft.LoraConfig and transformers.BitsAndBytesConfig keyword arguments, and what a frozen run trains
   (finetune.py);
 - `render(plan, spec, what)` and `write(files, directory, force=False)`: the files, with plan.json,

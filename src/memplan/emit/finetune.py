@@ -52,11 +52,11 @@ def lora_config(plan, spec: ModelSpec) -> dict:
     return lora_kwargs(plan.workload, spec, resolve_default=True)
 
 
-def freeze_section(plan, spec: ModelSpec) -> dict | None:
-    """plan.json's launch.freeze for --method freeze: the module paths train.py leaves trainable and
-    modules_to_save, which train.py matches as PEFT does (a module on the parameter's path ends with the
-    name); estimator/finetune.py freeze_trains decides both. None for other methods."""
-    w = plan.workload
+def freeze_section(w, spec: ModelSpec) -> dict | None:
+    """plan.json's launch.freeze for a workload of --method freeze: the module paths train.py leaves
+    trainable and modules_to_save, which train.py matches as PEFT does (a module on the parameter's path ends
+    with the name); estimator/finetune.py freeze_trains decides both. verify applies it with train.py's own
+    mark_trainable. None for other methods."""
     if w.method != "freeze":
         return None
     t, blocks = Tuning.of(w), stack_blocks(spec)

@@ -81,7 +81,7 @@ def launch_section(plan, files: set[str], spec: ModelSpec) -> dict:
         "method": method,
         "lora_config": LORA_CONFIG if uses_adapters(method) and LORA_CONFIG in files else None,
         "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
-        "freeze": freeze_section(plan, spec),  # None but for --method freeze
+        "freeze": freeze_section(plan.workload, spec),  # None but for --method freeze
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         "command": command(plan, files),
     }

@@ -108,7 +108,18 @@ def tune(model, launch: dict, directory: Path, checkpointing: bool):
 
 def freeze(model, section: dict):
     """Train only the modules plan.json names (the last K blocks, the head, the final norm) and those
-    under a modules_to_save name (PEFT's rule: some module on the path ends with it)."""
+    under a modules_to_save name."""
+    trained = mark_trainable(model, section)
+    print(f"trainable params: {trained:,} (the last {section['trainable_layers']} blocks, the head, the final norm)")
+    return model
+
+
+def mark_trainable(model, section: dict) -> int:
+    """requires_grad on the parameters under plan.json's launch.freeze modules or under a modules_to_save
+    name, off elsewhere; returns the trainable count (memplan verify applies a frozen plan with it too).
+    PEFT's modules_to_save rule (some module on the path ends with the name) is written out here rather
+    than imported from memplan (estimator/finetune.py `under`): this script runs where the user trains and
+    imports memplan only for the features that are memplan's code (its kernels, selective checkpointing)."""
     keep, saved = section["trainable_modules"], section["modules_to_save"]
     trained = 0
     for name, param in model.named_parameters():
@@ -118,8 +129,7 @@ def freeze(model, section: dict):
         param.requires_grad = (any(path == k or path.startswith(k + ".") for k in keep)
                                or any(a.endswith(n) for a in ancestors for n in saved))
         trained += param.numel() if param.requires_grad else 0
-    print(f"trainable params: {trained:,} (the last {section['trainable_layers']} blocks, the head, the final norm)")
-    return model
+    return trained
 
 
 def text_blocks(path: str, model: str, seq_len: int):

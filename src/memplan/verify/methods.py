@@ -6,7 +6,8 @@
   `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does it (its HfQuantizer replaces the
   modules, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize quantise each weight), then
   `peft.prepare_model_for_kbit_training` and get_peft_model.
-- freeze: the model as in full fine-tuning; requires_grad as estimator/finetune.py freeze_trains decides (the
+- freeze: the model as in full fine-tuning; requires_grad as the emitted train.py sets it from plan.json's
+  launch.freeze (emit/finetune.py freeze_section: the modules estimator/finetune.py freeze_trains trains, the
   last K blocks of the stack next to the head, the head, the final norm, the tied embedding, modules_to_save).
 
 Sources: peft 0.21.2 (mapping_func.py get_peft_model, utils/other.py prepare_model_for_kbit_training),
@@ -28,11 +29,11 @@ import contextlib
 import torch
 
 from memplan.errors import UserError
-from memplan.emit.finetune import bnb_kwargs, lora_kwargs
+from memplan.emit.finetune import bnb_kwargs, freeze_section, lora_kwargs
+from memplan.emit.train import mark_trainable
 from memplan.estimator import finetune
 from memplan.estimator.rules import DTYPE_NAMES
-from memplan.inputs.hf import categorize, module_path
-from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
 def load_dtype(w: Workload) -> torch.dtype:
@@ -153,21 +154,11 @@ def prepare_kbit(model, w: Workload) -> None:
                                     gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def freeze_layers(model, w: Workload, spec: ModelSpec) -> None:
-    """freeze: requires_grad as estimator/finetune.py freeze_trains decides for each parameter."""
-    t = finetune.Tuning.of(w)
-    for name, p in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        g = ParamGroup(category=categorize(name), shape=tuple(p.shape), module=module_path(owner))
-        index = next((int(part) for part in owner.split(".") if part.isdigit()), -1)
-        p.requires_grad_(finetune.freeze_trains(spec, t, g, index))
-
-
 def apply_method(model, w: Workload, spec: ModelSpec):
     """The method on a built base model (its checkpointing already on, but for qlora where
     prepare_model_for_kbit_training turns it on); returns the model that trains. `spec`: the model's."""
-    if w.method == "freeze":
-        freeze_layers(model, w, spec)
+    if w.method == "freeze":  # as the emitted train.py does it, from the plan.json section emit writes
+        mark_trainable(model, freeze_section(w, spec))
     if not finetune.uses_adapters(w.method):
         return model
     return add_adapters(model, w, spec)
