@@ -2,9 +2,10 @@
 
 - lora: the base loaded in the precision's half type (fp32 under --precision fp32), then
   `peft.get_peft_model(model, LoraConfig(...))` (adapters up-cast to fp32: autocast_adapter_dtype=True).
-- qlora: the base's linear layers converted and quantised by bitsandbytes the way transformers'
+- qlora: the base's linear layers converted and quantised by bitsandbytes as transformers'
   `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does it (its HfQuantizer replaces the
-  modules, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize quantise each weight), then
+  modules, and its quantise op, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize, quantises
+  each weight), then
   `peft.prepare_model_for_kbit_training` and get_peft_model.
 - freeze: the model as in full fine-tuning; requires_grad as the emitted train.py sets it from plan.json's
   launch.freeze (emit/finetune.py freeze_section: the modules estimator/finetune.py freeze_trains trains, the
@@ -55,7 +56,7 @@ def bnb_quantization_config(w: Workload):
 
 
 def suspend_fake():
-    """Leave the fake mode (if any) for the bitsandbytes parameter constructors."""
+    """Leave the fake mode (if any): PEFT's adapters are made outside it, on the meta device (add_adapters)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -63,39 +64,25 @@ def suspend_fake():
 
 def quantise(model, w: Workload) -> None:
     """transformers' bitsandbytes loading on a built model: the quantizer replaces nn.Linear / Conv1D
-    (outside get_keys_to_not_convert) by bnb modules, each weight is quantised as Bnb4bitQuantize /
-    Bnb8bitQuantize does it, and the quantizer marks the model (is_loaded_in_4bit / 8bit)."""
+    (outside get_keys_to_not_convert) by bnb modules, its own quantise op (get_quantize_ops: Bnb4bitQuantize /
+    Bnb8bitQuantize, which transpose a Conv1D weight) quantises each weight as from_pretrained does, and the
+    quantizer marks the model (is_loaded_in_4bit / 8bit)."""
     import bitsandbytes as bnb
     from transformers.quantizers.auto import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(bnb_quantization_config(w), pre_quantized=False)
     floats = {name: (m.weight, m.bias) for name, m in model.named_modules()
               if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"}
-    with suspend_fake():
-        if "dynamic" not in bnb.functional.name2qmap:  # bnb's cached map: built from Python lists (tolist)
-            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
-        quantizer.preprocess_model(model, device_map={"": "cpu"})
+    quantizer.preprocess_model(model, device_map={"": "cpu"})
+    op = quantizer.get_quantize_ops()
     for name, module in model.named_modules():
         if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             weight, bias = floats[name]
-            value = weight.detach().T if module.source_cls.__name__ == "Conv1D" else weight.detach()
-            module.weight = quantised_weight(module.weight, value)
+            key = f"{name}.weight"
+            module.weight = op.convert({key: weight.detach()}, model=model, full_layer_name=key)[key]
             if bias is not None:
                 module.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
     quantizer.postprocess_model(model)
-
-
-def quantised_weight(meta_param, value: torch.Tensor):
-    """Bnb4bitQuantize: Params4bit(value, requires_grad=False, **meta.__dict__).to(device); Bnb8bitQuantize:
-    Int8Params(value, requires_grad=False, **meta.__dict__ without SCB).to(device). Built around an empty
-    tensor and given `value` as data: the same parameter (and _make_subclass refuses a FakeTensor)."""
-    kwargs = {k: v for k, v in meta_param.__dict__.items() if k != "SCB"}
-    device = value.device
-    with suspend_fake():
-        param = type(meta_param)(torch.empty(0, dtype=value.dtype), requires_grad=False, **kwargs)
-    # Int8Params quantises when it leaves the CPU (or stays there): Bnb8bitQuantize hands it value.to("cpu")
-    param.data = value.to("cpu") if type(meta_param).__name__ == "Int8Params" else value
-    return param.to(device)  # not yet quantised and leaving the meta device: bnb quantises here
 
 
 def peft_lora_config(w: Workload, spec: ModelSpec):
