@@ -285,6 +285,27 @@ def test_fsdp_training_arguments_in_the_form_transformers_wants(kind):
     assert a.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
 
 
+@pytest.mark.parametrize("kind", ["full-shard", "hybrid-shard"])
+def test_fsdp_plugin_the_trainer_builds_keeps_the_accelerate_yaml_settings(kind, monkeypatch):
+    """Under launch.sh the Trainer builds its own FullyShardedDataParallelPlugin from TrainingArguments
+    (transformers 5.23 _process_fsdp_args), replacing the YAML's: sharded state dicts and CPU-RAM-efficient
+    loading must reach it from fsdp_config, and the YAML's fsdp_config is the same settings renamed."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # TrainingArguments sets it; restored after
+    p = memplan.suggest("llama-3.1-8b", "a100-80g", gpus=8, nodes=2 if kind == "hybrid-shard" else 1, seq_len=2048,
+                        global_batch=64, fsdp=kind, top=1).plans[0]
+    a = quiet_training_arguments(p.training_arguments(), allowed=("FSDP1",) if kind == "hybrid-shard" else ())
+    args = a.fsdp_plugin_args
+    assert args["state_dict_type"] == "SHARDED_STATE_DICT" and args["cpu_ram_efficient_loading"] is True
+    if kind == "full-shard":  # FSDP1's plugin (sync_module_states) needs an accelerator device to build
+        plugin = FullyShardedDataParallelPlugin(**args)  # as transformers' Trainer builds it
+        assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading is True
+    kw, doc = p.training_arguments()["fsdp_config"], p.accelerate_config()["fsdp_config"]
+    assert doc["fsdp_state_dict_type"] == kw["state_dict_type"] and doc["fsdp_cpu_ram_efficient_loading"] is True
+    assert doc["fsdp_version"] == kw["version"] and doc["fsdp_activation_checkpointing"] == kw["activation_checkpointing"]
+
+
 def test_launch_section_carries_what_the_plan_needs():
     """Kernels, the loading kwargs and checkpointing reach plan.json as data; train.py reads them."""
     p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]  # offload needs ~150 GiB

@@ -25,11 +25,20 @@ def checkpointing_field() -> str:
 
 def fsdp_config(plan, spec: ModelSpec) -> dict:
     """TrainingArguments.fsdp_config: transformers 5.23 wants `fsdp=True` and every setting here (a string
-    `fsdp` such as "full_shard auto_wrap" is deprecated: training_args.py _apply_legacy_fsdp_to_config)."""
+    `fsdp` such as "full_shard auto_wrap" is deprecated: training_args.py _apply_legacy_fsdp_to_config).
+    The one source of the FSDP settings: the accelerate YAML's fsdp_config is this, renamed
+    (accelerate_yaml.py fsdp_section). It must carry all of them: the Trainer builds its own
+    FullyShardedDataParallelPlugin from these (training_args.py _process_fsdp_args, trainer.py), which
+    replaces the one `accelerate launch` made from the YAML, and fills what is missing with its defaults
+    (state_dict_type FULL_STATE_DICT, cpu_ram_efficient_loading False). Sharded state dicts: each rank saves
+    its shard, no full gather onto one rank; CPU-RAM-efficient loading: only rank 0 reads the checkpoint."""
     version, reshard = FSDP_LAYOUT[plan.fsdp]
-    return {"version": version, "reshard_after_forward": reshard, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": layer_classes(spec),
-            "activation_checkpointing": plan.grad_ckpt == "full"}
+    cfg = {"version": version, "reshard_after_forward": reshard, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+           "transformer_layer_cls_to_wrap": layer_classes(spec), "state_dict_type": "SHARDED_STATE_DICT",
+           "cpu_ram_efficient_loading": True, "activation_checkpointing": plan.grad_ckpt == "full"}
+    if version == 1:  # FSDP1 only: trained and frozen parameters may share a unit; rank 0's weights broadcast
+        cfg |= {"use_orig_params": True, "sync_module_states": True}
+    return cfg
 
 
 def training_arguments(plan, spec: ModelSpec, output_dir: str = "out") -> dict:
