@@ -285,6 +285,27 @@ def test_fsdp_training_arguments_in_the_form_transformers_wants(kind):
     assert a.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
 
 
+@pytest.mark.parametrize("kind", ["full-shard", "hybrid-shard"])
+def test_fsdp_plugin_the_trainer_builds_keeps_the_accelerate_yaml_settings(kind, monkeypatch):
+    """Under launch.sh the Trainer builds its own FullyShardedDataParallelPlugin from TrainingArguments
+    (transformers 5.23 _process_fsdp_args), replacing the YAML's: sharded state dicts and CPU-RAM-efficient
+    loading must reach it from fsdp_config, and the YAML's fsdp_config is the same settings renamed."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # TrainingArguments sets it; restored after
+    p = memplan.suggest("llama-3.1-8b", "a100-80g", gpus=8, nodes=2 if kind == "hybrid-shard" else 1, seq_len=2048,
+                        global_batch=64, fsdp=kind, top=1).plans[0]
+    a = quiet_training_arguments(p.training_arguments(), allowed=("FSDP1",) if kind == "hybrid-shard" else ())
+    args = a.fsdp_plugin_args
+    assert args["state_dict_type"] == "SHARDED_STATE_DICT" and args["cpu_ram_efficient_loading"] is True
+    if kind == "full-shard":  # FSDP1's plugin (sync_module_states) needs an accelerator device to build
+        plugin = FullyShardedDataParallelPlugin(**args)  # as transformers' Trainer builds it
+        assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading is True
+    kw, doc = p.training_arguments()["fsdp_config"], p.accelerate_config()["fsdp_config"]
+    assert doc["fsdp_state_dict_type"] == kw["state_dict_type"] and doc["fsdp_cpu_ram_efficient_loading"] is True
+    assert doc["fsdp_version"] == kw["version"] and doc["fsdp_activation_checkpointing"] == kw["activation_checkpointing"]
+
+
 def test_launch_section_carries_what_the_plan_needs():
     """Kernels, the loading kwargs and checkpointing reach plan.json as data; train.py reads them."""
     p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]  # offload needs ~150 GiB
@@ -346,6 +367,18 @@ def test_cli_emit_refuses_before_searching_every_file_it_may_write(tmp_path, mem
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
 
 
+def test_emit_accelerate_claims_only_the_files_it_writes(ddp_plan, tmp_path):
+    """The accelerate YAML alone starts nothing (launch.sh runs train.py, the trainer kind's): it writes no
+    launch.sh, so an -o holding one is not refused for it; --emit all still checks launch.sh."""
+    files = emit.render(ddp_plan, memplan.resolve_model("bert-large"), ("accelerate",))
+    assert "launch.sh" not in files and "accelerate_config.yaml" in files
+    assert "launch.sh" not in emit.emit_names("accelerate") and "launch.sh" in emit.emit_names("all")
+    (tmp_path / "launch.sh").write_text("mine")
+    emit.check_directory(str(tmp_path), emit.emit_names("accelerate"))
+    with pytest.raises(UserError, match="launch.sh"):
+        emit.check_directory(str(tmp_path), emit.emit_names("all"))
+
+
 def test_trainer_files_of_a_deepspeed_plan_bring_the_ds_config_they_name():
     p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]
     files = emit.render(p, memplan.resolve_model("llama-3.1-8b"), ("trainer",))
@@ -402,6 +435,19 @@ def test_qlora_bnb_config_builds_the_planned_bitsandbytes_config(precision, fiel
     assert launch["model_kwargs"]["dtype"] == half  # the base loads in the precision's half type
     assert (launch["method"], launch["lora_config"], launch["quantization_config"]) == ("qlora", "lora_config.json",
                                                                                      "bnb_config.json")
+
+
+def test_plan_json_names_only_the_method_files_written(llama_plans):
+    """--emit accelerate writes no lora_config.json / bnb_config.json (no train.py reads them): plan.json's
+    launch names none; --emit trainer writes and names both."""
+    plan = with_method(llama_plans["bf16"], method="qlora")
+    spec = memplan.resolve_model("llama-3.2-1b")
+    files = emit.render(plan, spec, ("accelerate",))
+    assert "lora_config.json" not in files and "bnb_config.json" not in files
+    launch = json.loads(files["plan.json"])["launch"]
+    assert (launch["method"], launch["lora_config"], launch["quantization_config"]) == ("qlora", None, None)
+    launch = json.loads(emit.render(plan, spec, ("trainer",))["plan.json"])["launch"]
+    assert (launch["lora_config"], launch["quantization_config"]) == ("lora_config.json", "bnb_config.json")
 
 
 def test_lora_config_resolves_peft_defaults_and_builds_a_lora_config(llama_plans):

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from memplan.emit.common import DS_CONFIG, FSDP_LAYOUT, layer_classes, uses_deepspeed
+from memplan.emit.common import DS_CONFIG, uses_deepspeed
+from memplan.emit.trainer import fsdp_config
 from memplan.inputs.modelspec import ModelSpec
 
 
 def fsdp_section(plan, spec: ModelSpec) -> dict:
-    version, reshard = FSDP_LAYOUT[plan.fsdp]
-    fsdp: dict = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                  "fsdp_transformer_layer_cls_to_wrap": ",".join(layer_classes(spec)),
-                  "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True,
-                  "fsdp_offload_params": False, "fsdp_activation_checkpointing": plan.grad_ckpt == "full",
-                  "fsdp_version": version}
-    if version == 1:  # FSDP1 names its strategy: shard inside a node, replicate across
-        fsdp |= {"fsdp_sharding_strategy": reshard.upper(), "fsdp_use_orig_params": True,
-                 "fsdp_sync_module_states": True}
-    else:
-        fsdp["fsdp_reshard_after_forward"] = reshard
+    """The YAML's fsdp_config: TrainingArguments' (trainer.py fsdp_config, which the Trainer's plugin applies
+    under launch.sh in any case) in accelerate's launch option names: an fsdp_ prefix, the layer classes
+    comma-joined, FSDP1's strategy as fsdp_sharding_strategy; no parameter offload."""
+    cfg = fsdp_config(plan, spec)
+    fsdp = {f"fsdp_{k}": v for k, v in cfg.items()}
+    fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(cfg["transformer_layer_cls_to_wrap"])
+    fsdp["fsdp_offload_params"] = False
+    if cfg["version"] == 1:  # FSDP1 names its strategy: shard inside a node, replicate across
+        fsdp["fsdp_sharding_strategy"] = fsdp.pop("fsdp_reshard_after_forward").upper()
     return fsdp
 
 

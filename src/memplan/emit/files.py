@@ -13,10 +13,11 @@ from memplan.emit.accelerate_yaml import accelerate_config
 from memplan.emit.common import (ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LAUNCH_SH, LORA_CONFIG, PLAN_JSON, TRAIN_PY,
                                  TRAINING_ARGS, uses_deepspeed)
 from memplan.emit.ds_config import deepspeed_config
-from memplan.emit.finetune import adapters, bnb_config, lora_config
+from memplan.emit.finetune import bnb_kwargs, lora_config
 from memplan.emit.launch import launch_script, launch_section
 from memplan.emit.trainer import training_arguments, training_arguments_py
 from memplan.errors import UserError
+from memplan.estimator.finetune import uses_adapters
 from memplan.inputs.modelspec import ModelSpec
 
 KINDS = ("trainer", "deepspeed", "accelerate")
@@ -24,9 +25,10 @@ TRAINING_ARGS_PY = "training_args.py"
 # The files each kind may write, whatever the plan turns out to be: the CLI refuses a clash with any of
 # them before it searches. The trainer and accelerate files point at ds_config.json under DeepSpeed, so
 # it comes with them; train.py's LoRA and quantisation configs with the trainer files; plan.json always.
+# launch.sh starts train.py, which only the trainer kind writes (launch.py command), so it is the trainer's.
 MAY_WRITE = {"trainer": (TRAINING_ARGS, TRAINING_ARGS_PY, TRAIN_PY, LAUNCH_SH, DS_CONFIG, LORA_CONFIG, BNB_CONFIG),
              "deepspeed": (DS_CONFIG,),
-             "accelerate": (ACCELERATE_YAML, LAUNCH_SH, DS_CONFIG)}
+             "accelerate": (ACCELERATE_YAML, DS_CONFIG)}
 
 
 def sidecar(plan, launch: dict | None = None) -> dict:
@@ -69,10 +71,10 @@ def render(plan, spec: ModelSpec, what: tuple[str, ...]) -> dict[str, str]:
 def method_files(plan, spec: ModelSpec) -> dict[str, str]:
     """lora_config.json for LoRA / QLoRA, bnb_config.json for QLoRA (train.py reads them)."""
     out: dict[str, str] = {}
-    if adapters(plan):
+    if uses_adapters(plan.workload.method):
         out[LORA_CONFIG] = json.dumps(lora_config(plan, spec), indent=1) + "\n"
     if plan.workload.method == "qlora":
-        out[BNB_CONFIG] = json.dumps(bnb_config(plan), indent=1) + "\n"
+        out[BNB_CONFIG] = json.dumps(bnb_kwargs(plan.workload), indent=1) + "\n"
     return out
 
 

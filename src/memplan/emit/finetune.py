@@ -13,22 +13,26 @@ from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 
 
-def adapters(plan) -> bool:
-    return plan.workload.method in ("lora", "qlora")
-
-
-def lora_kwargs(w, head: str, targets) -> dict:
-    """peft.LoraConfig keyword arguments of a workload; `targets`: target_modules as given to PEFT (a list,
-    "all-linear", or None for PEFT's own default). task_type from the head (estimator/finetune.py
-    PEFT_TASKS: the PeftModel class, and the modules it adds to modules_to_save, which memplan counts);
-    heads without one get a plain PeftModel."""
+def lora_kwargs(w, spec: ModelSpec, resolve_default: bool) -> dict:
+    """peft.LoraConfig keyword arguments of a workload. target_modules: "all-linear", the workload's list, or,
+    where it names none, PEFT's default for the model type written out (resolve_default: the emitted
+    lora_config.json, the same list peft 0.21 would pick, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+    or None, for PEFT to apply its own as a script that names none does (verify; tests/test_finetune.py holds
+    memplan's copy of those defaults to PEFT's). task_type from the head (estimator/finetune.py PEFT_TASKS:
+    the PeftModel class, and the modules it adds to modules_to_save, which memplan counts); heads without one
+    get a plain PeftModel."""
+    names = targets_of(spec, Tuning.of(w)) if resolve_default else w.lora_targets
+    if names == (ALL_LINEAR,):
+        targets = ALL_LINEAR
+    else:
+        targets = list(names) if names or resolve_default else None
     alpha = int(w.lora_alpha) if float(w.lora_alpha).is_integer() else w.lora_alpha
     cfg: dict = {"r": w.lora_r, "lora_alpha": alpha, "lora_dropout": w.lora_dropout, "target_modules": targets,
                  "bias": "none"}
     if w.modules_to_save:
         cfg["modules_to_save"] = list(w.modules_to_save)
-    if head in PEFT_TASKS:
-        cfg["task_type"] = PEFT_TASKS[head][0]
+    if spec.head in PEFT_TASKS:
+        cfg["task_type"] = PEFT_TASKS[spec.head][0]
     return cfg
 
 
@@ -44,22 +48,15 @@ def bnb_kwargs(w) -> dict:
 
 
 def lora_config(plan, spec: ModelSpec) -> dict:
-    """lora_config.json: target_modules resolved, PEFT's default for the model type written out (the same
-    list peft 0.21 would pick: TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), or "all-linear"."""
-    targets = targets_of(spec, Tuning.of(plan.workload))
-    return lora_kwargs(plan.workload, spec.head, ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets))
+    """lora_config.json: target_modules resolved (lora_kwargs)."""
+    return lora_kwargs(plan.workload, spec, resolve_default=True)
 
 
-def bnb_config(plan) -> dict:
-    """bnb_config.json."""
-    return bnb_kwargs(plan.workload)
-
-
-def freeze_section(plan, spec: ModelSpec) -> dict | None:
-    """plan.json's launch.freeze for --method freeze: the module paths train.py leaves trainable and
-    modules_to_save, which train.py matches as PEFT does (a module on the parameter's path ends with the
-    name); estimator/finetune.py freeze_trains decides both. None for other methods."""
-    w = plan.workload
+def freeze_section(w, spec: ModelSpec) -> dict | None:
+    """plan.json's launch.freeze for a workload of --method freeze: the module paths train.py leaves
+    trainable and modules_to_save, which train.py matches as PEFT does (a module on the parameter's path ends
+    with the name); estimator/finetune.py freeze_trains decides both. verify applies it with train.py's own
+    mark_trainable. None for other methods."""
     if w.method != "freeze":
         return None
     t, blocks = Tuning.of(w), stack_blocks(spec)

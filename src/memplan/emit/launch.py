@@ -7,8 +7,8 @@ from __future__ import annotations
 import shlex
 
 from memplan.emit.common import ACCELERATE_YAML, BNB_CONFIG, DS_CONFIG, LORA_CONFIG, TRAIN_PY, uses_deepspeed
-from memplan.emit.finetune import adapters, freeze_section
-from memplan.estimator.finetune import load_dtype
+from memplan.emit.finetune import freeze_section
+from memplan.estimator.finetune import load_dtype, uses_adapters
 from memplan.estimator.rules import DTYPE_NAMES
 from memplan.inputs.hf import HEADS
 from memplan.inputs.modelspec import ModelSpec
@@ -63,13 +63,11 @@ def command(plan, files: set[str]) -> str | None:
     return f"python {TRAIN_PY}"
 
 
-def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict:
-    """plan.json's `launch`: what train.py reads, and what it cannot do, as data. `spec`: needed for
-    --method freeze (the module paths it trains)."""
+def launch_section(plan, files: set[str], spec: ModelSpec) -> dict:
+    """plan.json's `launch`: what train.py reads, and what it cannot do, as data. `spec`: the model's (the
+    module paths --method freeze trains)."""
     model = plan.estimate.model
     method = plan.workload.method
-    if method == "freeze" and spec is None:
-        raise ValueError("freeze plans need the model spec (the modules to train)")
     return {
         "model": model.hf_id or model.name,
         "auto_class": HEADS[model.head],  # the transformers Auto class that builds the planned head
@@ -78,11 +76,12 @@ def launch_section(plan, files: set[str], spec: ModelSpec | None = None) -> dict
         "kernels": kernels(plan),
         # full: TrainingArguments' checkpointing field; selective: memplan.selective.enable_selective(model)
         "checkpointing": plan.grad_ckpt,
-        # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`
+        # the fine-tuning method: lora / qlora read lora_config.json (and bnb_config.json), freeze reads `freeze`;
+        # a file is named only where it was written (the trainer kind writes them, with train.py)
         "method": method,
-        "lora_config": LORA_CONFIG if adapters(plan) else None,
-        "quantization_config": BNB_CONFIG if method == "qlora" else None,
-        "freeze": freeze_section(plan, spec) if method == "freeze" else None,
+        "lora_config": LORA_CONFIG if uses_adapters(method) and LORA_CONFIG in files else None,
+        "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
+        "freeze": freeze_section(plan.workload, spec),  # None but for --method freeze
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         "command": command(plan, files),
     }

@@ -85,10 +85,10 @@ def hf_checkpointing(args) -> bool:
     return bool(getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)))
 
 
-def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None):
+def tune(model, launch: dict, directory: Path, checkpointing: bool):
     """The fine-tuning method: LoRA adapters (PEFT), after prepare_model_for_kbit_training for QLoRA, or
     the frozen layers of --method freeze; full fine-tuning trains the model as it is. checkpointing: the
-    Trainer's own (None: as planned); under FSDP the wrapper checkpoints, so PEFT must not as well."""
+    Trainer's own (hf_checkpointing); under FSDP the wrapper checkpoints, so PEFT must not as well."""
     if launch.get("freeze"):
         return freeze(model, launch["freeze"])
     if not launch.get("lora_config"):
@@ -98,8 +98,6 @@ def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None
     if launch.get("quantization_config"):
         # fp32 copies of the non-quantised parameters, checkpointing as planned (non-reentrant: the
         # frozen inputs need no requires_grad hook)
-        if checkpointing is None:
-            checkpointing = launch["checkpointing"] == "full"
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                      gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(**json.loads((directory / launch["lora_config"]).read_text()))
@@ -110,7 +108,18 @@ def tune(model, launch: dict, directory: Path, checkpointing: bool | None = None
 
 def freeze(model, section: dict):
     """Train only the modules plan.json names (the last K blocks, the head, the final norm) and those
-    under a modules_to_save name (PEFT's rule: some module on the path ends with it)."""
+    under a modules_to_save name."""
+    trained = mark_trainable(model, section)
+    print(f"trainable params: {trained:,} (the last {section['trainable_layers']} blocks, the head, the final norm)")
+    return model
+
+
+def mark_trainable(model, section: dict) -> int:
+    """requires_grad on the parameters under plan.json's launch.freeze modules or under a modules_to_save
+    name, off elsewhere; returns the trainable count (memplan verify applies a frozen plan with it too).
+    PEFT's modules_to_save rule (some module on the path ends with the name) is written out here rather
+    than imported from memplan (estimator/finetune.py `under`): this script runs where the user trains and
+    imports memplan only for the features that are memplan's code (its kernels, selective checkpointing)."""
     keep, saved = section["trainable_modules"], section["modules_to_save"]
     trained = 0
     for name, param in model.named_parameters():
@@ -120,8 +129,7 @@ def freeze(model, section: dict):
         param.requires_grad = (any(path == k or path.startswith(k + ".") for k in keep)
                                or any(a.endswith(n) for a in ancestors for n in saved))
         trained += param.numel() if param.requires_grad else 0
-    print(f"trainable params: {trained:,} (the last {section['trainable_layers']} blocks, the head, the final norm)")
-    return model
+    return trained
 
 
 def text_blocks(path: str, model: str, seq_len: int):

@@ -25,18 +25,28 @@ def checkpointing_field() -> str:
 
 def fsdp_config(plan, spec: ModelSpec) -> dict:
     """TrainingArguments.fsdp_config: transformers 5.23 wants `fsdp=True` and every setting here (a string
-    `fsdp` such as "full_shard auto_wrap" is deprecated: training_args.py _apply_legacy_fsdp_to_config)."""
+    `fsdp` such as "full_shard auto_wrap" is deprecated: training_args.py _apply_legacy_fsdp_to_config).
+    The one source of the FSDP settings: the accelerate YAML's fsdp_config is this, renamed
+    (accelerate_yaml.py fsdp_section). It must carry all of them: the Trainer builds its own
+    FullyShardedDataParallelPlugin from these (training_args.py _process_fsdp_args, trainer.py), which
+    replaces the one `accelerate launch` made from the YAML, and fills what is missing with its defaults
+    (state_dict_type FULL_STATE_DICT, cpu_ram_efficient_loading False). Sharded state dicts: each rank saves
+    its shard, no full gather onto one rank; CPU-RAM-efficient loading: only rank 0 reads the checkpoint."""
     version, reshard = FSDP_LAYOUT[plan.fsdp]
-    return {"version": version, "reshard_after_forward": reshard, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": layer_classes(spec),
-            "activation_checkpointing": plan.grad_ckpt == "full"}
+    cfg = {"version": version, "reshard_after_forward": reshard, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+           "transformer_layer_cls_to_wrap": layer_classes(spec), "state_dict_type": "SHARDED_STATE_DICT",
+           "cpu_ram_efficient_loading": True, "activation_checkpointing": plan.grad_ckpt == "full"}
+    if version == 1:  # FSDP1 only: trained and frozen parameters may share a unit; rank 0's weights broadcast
+        cfg |= {"use_orig_params": True, "sync_module_states": True}
+    return cfg
 
 
-def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "out") -> dict:
+def training_arguments(plan, spec: ModelSpec, output_dir: str = "out") -> dict:
     """TrainingArguments keyword arguments for the plan (Trainer runs DDP, DeepSpeed and FSDP plans)."""
     if plan.pp > 1:
         raise UserError("pipeline-parallel plans need a DeepSpeed PipelineModule; the HF Trainer cannot run them "
                         "(emit --emit deepspeed for the ds_config.json)")
+    ckpt = checkpointing_field()
     kw: dict = {
         "output_dir": output_dir,
         "per_device_train_batch_size": plan.micro_batch,
@@ -44,7 +54,7 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
         "optim": plan.optim,  # under offload DeepSpeed builds the optimizer (ds_config.json's section) instead
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
-        checkpointing_field(): plan.grad_ckpt == "full",
+        ckpt: plan.grad_ckpt == "full",
         "max_grad_norm": GRADIENT_CLIPPING,
         "dataloader_pin_memory": True,
         "dataloader_num_workers": DATALOADER_WORKERS,
@@ -53,18 +63,16 @@ def training_arguments(plan, spec: ModelSpec | None = None, output_dir: str = "o
     if uses_deepspeed(plan):
         kw["deepspeed"] = DS_CONFIG
     if plan.fsdp != "none":
-        if spec is None:
-            raise ValueError("FSDP plans need the model spec (the layer class to wrap)")
         kw["fsdp"] = True
         kw["fsdp_config"] = fsdp_config(plan, spec)
-        kw[checkpointing_field()] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
-    if kw[checkpointing_field()]:
+        kw[ckpt] = False  # FSDP checkpoints inside its wrapper (fsdp_config above)
+    if kw[ckpt]:
         # non-reentrant checkpointing, explicit: with frozen layers below (LoRA, freeze) the reentrant
         # kind sees no input that requires grad and returns no gradient for the layers it recomputes
         # (torch.utils.checkpoint docs); transformers 5.23 defaults to it (modeling_utils.py
         # _activation_checkpointing_enable), earlier versions did not
-        kw[checkpointing_field() + "_kwargs"] = {"use_reentrant": False}
-    if spec is not None and compile_pays(plan, spec):
+        kw[ckpt + "_kwargs"] = {"use_reentrant": False}
+    if compile_pays(plan, spec):
         kw["torch_compile"] = True
     # little headroom left: return cached blocks between steps so fragmentation cannot grow into an OOM
     if plan.estimate.headroom_bytes < 0.02 * plan.estimate.capacity_bytes:

@@ -47,6 +47,11 @@ OUTPUT_PROJECTIONS = frozenset({"o_proj", "out_proj", "o", "out_lin", "c_proj", 
                                 "dense_4h_to_h", "lin2"})
 
 
+def uses_adapters(method: str) -> bool:
+    """Whether the fine-tuning method adds LoRA adapters (lora, and qlora over its quantised base)."""
+    return method in ("lora", "qlora")
+
+
 class Tuning(NamedTuple):
     """Every workload field the fine-tuning table reads (a frozen, hashable cache key)."""
 
@@ -66,7 +71,7 @@ class Tuning(NamedTuple):
 
     @property
     def adapters(self) -> bool:
-        return self.method in ("lora", "qlora")
+        return uses_adapters(self.method)
 
 
 def load_dtype(w) -> str:
@@ -74,7 +79,7 @@ def load_dtype(w) -> str:
     the precision's half type (fp32 under fp32); full fine-tuning and freeze hold fp32 weights (autocast makes
     the half copies), except pure bf16 training."""
     half = PRECISIONS[w.precision].half
-    if w.method in ("lora", "qlora"):
+    if uses_adapters(w.method):
         return half or "fp32"
     return "bf16" if w.precision == "bf16-pure" else "fp32"
 

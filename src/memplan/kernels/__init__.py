@@ -8,7 +8,8 @@ and a tiled PyTorch one for the CPU and as the fallback, chosen by `backend="aut
 - `tiled_mlp(fn, x, params)` / `patch_mlp(module)`: an MLP over chunks of tokens, recomputed in backward;
   `gated_act(gate, up)`: act(gate) * up saving only its inputs;
 - `apply(model, loss=True, mlp=True, attention=False)` / `revert(model)`: train a transformers model
-  with them (llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gpt2, bert).
+  with them (the model types in `SUPPORTED`: the families whose `Family.kernels` holds,
+  memplan/estimator/families.py).
 """
 
 from .attention import attention as tiled_attention  # `attention` stays the submodule's name

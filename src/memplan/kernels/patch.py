@@ -1,18 +1,19 @@
 """`apply(model)`: train a transformers model with memplan's kernels, in place and reversibly (`revert`).
 
-- loss: the fused linear + cross-entropy (kernels/cross_entropy.py). For the causal LMs of llama,
-  mistral, qwen2, qwen3, olmo2, gemma, gemma2 and gpt2 the patched forward runs the model's own base
-  model, then computes the loss from the last hidden states and the LM head's weight exactly as
-  transformers' ForCausalLMLoss does (labels shifted by one, ignore_index -100, the mean over the targets or over
-  `num_items_in_batch`, Gemma 2's final logit soft-capping). For BERT's masked LM it runs the head's
-  transform and the loss of the decoder, its bias included, as BertForMaskedLM's CrossEntropyLoss does.
-  It returns no logits when labels are given; without labels the original forward runs.
-- mlp: the tiled MLP (kernels/mlp.py) on every layer's MLP: llama, mistral, qwen2, qwen3, olmo2, gemma,
-  gemma2, gpt2 (the `mlp` module; OLMo 2's post_feedforward_layernorm is outside it), bert
-  (BertLayer.feed_forward_chunk: intermediate, output dense, dropout, LayerNorm).
+- loss: the fused linear + cross-entropy (kernels/cross_entropy.py). For the causal LMs of the families
+  with a `Family.fused_loss_causal_base` (estimator/families.py) the patched forward runs the model's own
+  base model, then computes the loss from the last hidden states and the LM head's weight exactly as
+  transformers' ForCausalLMLoss does (labels shifted by one, ignore_index -100, the mean over the targets or
+  over `num_items_in_batch`, Gemma 2's final logit soft-capping). For the masked LMs with a
+  `Family.fused_loss_mlm_base` (BERT's) it runs the head's transform and the loss of the decoder, its bias
+  included, as BertForMaskedLM's CrossEntropyLoss does. It returns no logits when labels are given; without
+  labels the original forward runs.
+- mlp: the tiled MLP (kernels/mlp.py) on every layer's MLP, for the families with `Family.tiled_mlp`: the
+  `mlp` module (OLMo 2's post_feedforward_layernorm is outside it), or the token-wise feed_forward_chunk of
+  `Family.tiled_ffn_layer` (BertLayer: intermediate, output dense, dropout, LayerNorm).
 - attention: memplan's tiled attention (kernels/attention.py) as the model's attn_implementation
-  ("memplan"), for models whose attention goes through transformers' AttentionInterface, without
-  attention dropout or logit soft-capping.
+  ("memplan"), for the families with `Family.memplan_attention` (attention through transformers'
+  AttentionInterface, without attention dropout or logit soft-capping).
 
 Each of loss / mlp / attention is applied where the model supports it; `apply` refuses a model none of
 them supports, and a request whose only effect would be unsupported, with a message saying what is.

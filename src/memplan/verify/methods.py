@@ -2,11 +2,13 @@
 
 - lora: the base loaded in the precision's half type (fp32 under --precision fp32), then
   `peft.get_peft_model(model, LoraConfig(...))` (adapters up-cast to fp32: autocast_adapter_dtype=True).
-- qlora: the base's linear layers converted and quantised by bitsandbytes the way transformers'
+- qlora: the base's linear layers converted and quantised by bitsandbytes as transformers'
   `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does it (its HfQuantizer replaces the
-  modules, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize quantise each weight), then
+  modules, and its quantise op, integrations/bitsandbytes.py Bnb4bitQuantize / Bnb8bitQuantize, quantises
+  each weight), then
   `peft.prepare_model_for_kbit_training` and get_peft_model.
-- freeze: the model as in full fine-tuning; requires_grad as estimator/finetune.py freeze_trains decides (the
+- freeze: the model as in full fine-tuning; requires_grad as the emitted train.py sets it from plan.json's
+  launch.freeze (emit/finetune.py freeze_section: the modules estimator/finetune.py freeze_trains trains, the
   last K blocks of the stack next to the head, the head, the final norm, the tied embedding, modules_to_save).
 
 Sources: peft 0.21.2 (mapping_func.py get_peft_model, utils/other.py prepare_model_for_kbit_training),
@@ -24,17 +26,15 @@ columns whose count depends on the data. qlora runs on --device cpu (real tensor
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
 from memplan.errors import UserError
-from memplan.emit.finetune import bnb_kwargs, lora_kwargs
+from memplan.emit.finetune import bnb_kwargs, freeze_section, lora_kwargs
+from memplan.emit.train import mark_trainable
 from memplan.estimator import finetune
-from memplan.estimator.finetune import ALL_LINEAR
 from memplan.estimator.rules import DTYPE_NAMES
-from memplan.inputs.hf import categorize, module_path
-from memplan.inputs.modelspec import ParamGroup
+from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
 def load_dtype(w: Workload) -> torch.dtype:
@@ -48,15 +48,15 @@ def check_device(w: Workload, device: str) -> None:
                         "tensors); use --device cpu with a small model, or cuda")
 
 
-def bnb_config(w: Workload):
-    """The BitsAndBytesConfig the emitted bnb_config.json holds for this workload."""
+def bnb_quantization_config(w: Workload):
+    """The transformers.BitsAndBytesConfig the emitted bnb_config.json holds for this workload."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(**bnb_kwargs(w))
 
 
 def suspend_fake():
-    """Leave the fake mode (if any) for the bitsandbytes parameter constructors."""
+    """Leave the fake mode (if any): PEFT's adapters are made outside it, on the meta device (add_adapters)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -64,56 +64,36 @@ def suspend_fake():
 
 def quantise(model, w: Workload) -> None:
     """transformers' bitsandbytes loading on a built model: the quantizer replaces nn.Linear / Conv1D
-    (outside get_keys_to_not_convert) by bnb modules, each weight is quantised as Bnb4bitQuantize /
-    Bnb8bitQuantize does it, and the quantizer marks the model (is_loaded_in_4bit / 8bit)."""
+    (outside get_keys_to_not_convert) by bnb modules, its own quantise op (get_quantize_ops: Bnb4bitQuantize /
+    Bnb8bitQuantize, which transpose a Conv1D weight) quantises each weight as from_pretrained does, and the
+    quantizer marks the model (is_loaded_in_4bit / 8bit)."""
     import bitsandbytes as bnb
     from transformers.quantizers.auto import AutoHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(bnb_config(w), pre_quantized=False)
+    quantizer = AutoHfQuantizer.from_config(bnb_quantization_config(w), pre_quantized=False)
     floats = {name: (m.weight, m.bias) for name, m in model.named_modules()
               if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"}
-    with suspend_fake():
-        if "dynamic" not in bnb.functional.name2qmap:  # bnb's cached map: built from Python lists (tolist)
-            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
-        quantizer.preprocess_model(model, device_map={"": "cpu"})
+    quantizer.preprocess_model(model, device_map={"": "cpu"})
+    op = quantizer.get_quantize_ops()
     for name, module in model.named_modules():
         if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             weight, bias = floats[name]
-            value = weight.detach().T if module.source_cls.__name__ == "Conv1D" else weight.detach()
-            module.weight = quantised_weight(module.weight, value)
+            key = f"{name}.weight"
+            module.weight = op.convert({key: weight.detach()}, model=model, full_layer_name=key)[key]
             if bias is not None:
                 module.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
     quantizer.postprocess_model(model)
 
 
-def quantised_weight(meta_param, value: torch.Tensor):
-    """Bnb4bitQuantize: Params4bit(value, requires_grad=False, **meta.__dict__).to(device); Bnb8bitQuantize:
-    Int8Params(value, requires_grad=False, **meta.__dict__ without SCB).to(device). Built around an empty
-    tensor and given `value` as data: the same parameter (and _make_subclass refuses a FakeTensor)."""
-    kwargs = {k: v for k, v in meta_param.__dict__.items() if k != "SCB"}
-    device = value.device
-    with suspend_fake():
-        param = type(meta_param)(torch.empty(0, dtype=value.dtype), requires_grad=False, **kwargs)
-    # Int8Params quantises when it leaves the CPU (or stays there): Bnb8bitQuantize hands it value.to("cpu")
-    param.data = value.to("cpu") if type(meta_param).__name__ == "Int8Params" else value
-    return param.to(device)  # not yet quantised and leaving the meta device: bnb quantises here
-
-
-def lora_config(w: Workload, head: str):
-    """The LoraConfig of the emitted lora_config.json, but for the targets: none named, PEFT applies its own
-    default for the model type, as in a script that names none (tests/test_finetune.py holds memplan's copy
-    of those defaults to PEFT's)."""
+def peft_lora_config(w: Workload, spec: ModelSpec):
+    """The peft.LoraConfig of the emitted lora_config.json, but for the targets: none named, PEFT applies its
+    own default for the model type, as in a script that names none (emit.finetune.lora_kwargs)."""
     from peft import LoraConfig
 
-    targets: Any = None
-    if w.lora_targets == (ALL_LINEAR,):
-        targets = ALL_LINEAR
-    elif w.lora_targets:
-        targets = list(w.lora_targets)
-    return LoraConfig(**lora_kwargs(w, head, targets))
+    return LoraConfig(**lora_kwargs(w, spec, resolve_default=False))
 
 
-def add_adapters(model, w: Workload, head: str):
+def add_adapters(model, w: Workload, spec: ModelSpec):
     """get_peft_model on the (prepared) base; the PeftModel trains."""
     from peft import get_peft_model
 
@@ -123,7 +103,7 @@ def add_adapters(model, w: Workload, head: str):
         # (torch.utils.swap_tensors) and fails on the fake mode's weak references to it; the adapters are
         # made on the meta device instead and become FakeTensors afterwards (materialize_meta)
         with suspend_fake() if fake else contextlib.nullcontext(), torch.device("meta") if fake else contextlib.nullcontext():
-            model = get_peft_model(model, lora_config(w, head))
+            model = get_peft_model(model, peft_lora_config(w, spec))
     except ValueError as e:
         raise UserError(f"--method {w.method}: PEFT cannot add LoRA adapters: {str(e).splitlines()[0]}") from None
     if fake:
@@ -137,17 +117,19 @@ def is_fake(t) -> bool:
     return fake_check(t)
 
 
-def materialize_meta(model) -> None:
-    """Meta parameters and buffers -> empty tensors of the active (fake) mode, each keeping its dtype."""
+def materialize_meta(model, dtype: torch.dtype | None = None) -> None:
+    """Meta parameters and buffers -> empty CPU tensors of the active mode (FakeTensors under FakeTensorMode),
+    tied ones kept tied; floating ones in `dtype` (None: each keeps its own). Module.to_empty cannot swap
+    meta for fake tensors."""
     done: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in table.items():
-                # type(): a quantised weight (Params4bit around fake data) reports the meta device too
-                if t is None or t.device.type != "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                if t is None or t.device.type != "meta":
                     continue
                 if id(t) not in done:
-                    new = torch.empty_like(t, device="cpu")
+                    kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    new = torch.empty_like(t, device="cpu", dtype=kind)
                     done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
                 table[name] = done[id(t)]
 
@@ -159,27 +141,14 @@ def prepare_kbit(model, w: Workload) -> None:
                                     gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def freeze_layers(model, w: Workload, head: str) -> None:
-    """freeze: requires_grad as estimator/finetune.py freeze_trains decides for each parameter, read off the
-    built model (its spec from the same config)."""
-    from memplan.inputs.hf import spec_from_config
-
-    spec, t = spec_from_config(model.config, "verify", head=head), finetune.Tuning.of(w)
-    for name, p in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        g = ParamGroup(category=categorize(name), shape=tuple(p.shape), module=module_path(owner))
-        index = next((int(part) for part in owner.split(".") if part.isdigit()), -1)
-        p.requires_grad_(finetune.freeze_trains(spec, t, g, index))
-
-
-def apply_method(model, w: Workload, head: str):
+def apply_method(model, w: Workload, spec: ModelSpec):
     """The method on a built base model (its checkpointing already on, but for qlora where
-    prepare_model_for_kbit_training turns it on); returns the model that trains."""
-    if w.method == "freeze":
-        freeze_layers(model, w, head)
-    if w.method not in ("lora", "qlora"):
+    prepare_model_for_kbit_training turns it on); returns the model that trains. `spec`: the model's."""
+    if w.method == "freeze":  # as the emitted train.py does it, from the plan.json section emit writes
+        mark_trainable(model, freeze_section(w, spec))
+    if not finetune.uses_adapters(w.method):
         return model
-    return add_adapters(model, w, head)
+    return add_adapters(model, w, spec)
 
 
 def quant_state_tensors(model) -> list[torch.Tensor]:

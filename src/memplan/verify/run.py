@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from memplan.errors import UserError
 from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.estimator.rules import PRECISIONS
+from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
 OOM_EXIT = 3  # `memplan verify` exit code when the real run ran out of GPU memory (docs/verify.md)
@@ -191,12 +192,13 @@ def _half(w: Workload):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[prec.half] if prec.autocast else None
 
 
-def setup(config, head: str | None, w: Workload, device: str):
+def setup(config, head: str | None, w: Workload, device: str, spec: ModelSpec | None = None):
     """(model, head, optimizer, input dtype) for the plan, built on `device` with random weights; "meta"
-    builds on the meta device and materialises empty tensors of the active mode (FakeTensors)."""
+    builds on the meta device and materialises empty tensors of the active mode (FakeTensors). `spec`: the
+    model's, as run() resolved it; None reads it off the built model (callers with a config only)."""
     import torch
 
-    from memplan.inputs.hf import build_model
+    from memplan.inputs.hf import build_model, spec_from_config
     from memplan.verify import methods
     from memplan.verify.optimizers import build_optimizer
 
@@ -205,14 +207,16 @@ def setup(config, head: str | None, w: Workload, device: str):
     with torch.device(device):
         model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
     if device == "meta":
-        _materialize(model, dtype)
+        methods.materialize_meta(model, dtype)
     elif next(model.parameters()).dtype != dtype:
         model.to(dtype)
     if w.method == "qlora":
         methods.quantise(model, w)
         methods.prepare_kbit(model, w)
     prepare_model(model, w)
-    model = methods.apply_method(model, w, head)
+    if spec is None and w.method != "full":  # the method's modules are named by the spec's parameter table
+        spec = spec_from_config(model.config, "verify", head=head)
+    model = methods.apply_method(model, w, spec)
     # bitsandbytes' own 8-bit optimizers read their quantisation map with .tolist(), which fake tensors
     # refuse (functional.create_dynamic_map): the fake trace steps the replicas, real runs bnb itself
     optimizer = build_optimizer(w.optim, [p for p in model.parameters() if p.requires_grad], momentum=w.momentum,
@@ -221,7 +225,7 @@ def setup(config, head: str | None, w: Workload, device: str):
 
 
 def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], device: str, steps: int,
-               on_phase=None) -> dict[str, Any]:
+               on_phase=None, spec: ModelSpec | None = None) -> dict[str, Any]:
     """fake / cpu: the step under CudaSemantics with every storage tracked."""
     from memplan.verify.cudasim import CudaSemantics
     from memplan.verify.tracer import LiveTracker
@@ -243,7 +247,7 @@ def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], devic
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     t0 = time.perf_counter()
     with mode:
-        model, head, optimizer, dtype = setup(config, head, w, "meta" if fake else "cpu")
+        model, head, optimizer, dtype = setup(config, head, w, "meta" if fake else "cpu", spec)
         sem = CudaSemantics(_half(w), sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
         tracker = LiveTracker()
         # qlora: bitsandbytes' CUDA matmul paths on the CPU (methods.cuda_bnb_paths)
@@ -264,24 +268,8 @@ def _is_moe(config) -> bool:
     return is_moe_config(config)
 
 
-def _materialize(model, dtype) -> None:
-    """Meta parameters and buffers -> empty CPU tensors of the active mode (FakeTensors under
-    FakeTensorMode), keeping tied parameters tied. Module.to_empty cannot swap meta for fake tensors."""
-    import torch
-
-    done: dict[int, torch.Tensor] = {}
-    for mod in model.modules():
-        for table in (mod._parameters, mod._buffers):
-            for name, t in table.items():
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    new = torch.empty_like(t, device="cpu", dtype=dtype if t.is_floating_point() else t.dtype)
-                    done[id(t)] = torch.nn.Parameter(new, t.requires_grad) if table is mod._parameters else new
-                table[name] = done[id(t)]
-
-
-def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None) -> dict[str, Any]:
+def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
+             spec: ModelSpec | None = None) -> dict[str, Any]:
     """A real run on the GPU. Peak memory counts every step (the first creates the optimizer state);
     the time is the median of the steps after the first."""
     import torch
@@ -290,7 +278,7 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None) -
     torch.cuda.reset_peak_memory_stats()
     model = optimizer = None
     try:
-        model, head, optimizer, dtype = setup(config, head, w, "cuda")
+        model, head, optimizer, dtype = setup(config, head, w, "cuda", spec)
         half = _half(w)
         autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else None
         kernel_ctx = contextlib.nullcontext()
@@ -477,10 +465,10 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         t0 = time.perf_counter()
         bar(0, "building the model")
         if device == "cuda":
-            result = run_cuda(config, head, w, steps, on_phase=bar)
+            result = run_cuda(config, head, w, steps, on_phase=bar, spec=spec)
             result["seconds"] = time.perf_counter() - t0
         else:
-            result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar)
+            result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar, spec=spec)
     finally:
         bar.close()
     report = compare(est, device, result, w, steps, prof.cuda_context_bytes, note)
