@@ -452,7 +452,7 @@ def assumed(spec: ModelSpec, w, given: set[str], half_model: bool | None = False
     from memplan.inputs.workload import QUANT_KNOBS  # here: workload imports constraints, which imports this module
 
     said: list[str] = []
-    if w.method in ("lora", "qlora"):
+    if uses_adapters(w.method):
         if "lora_targets" not in given and default_targets(spec):
             said.append(f"LoRA targets {','.join(default_targets(spec))} (PEFT's default for {spec.model_type}; "
                         "--lora-targets)")
