@@ -308,14 +308,14 @@ def test_fsdp_plugin_the_trainer_builds_keeps_the_accelerate_yaml_settings(kind,
 
 def test_launch_section_carries_what_the_plan_needs():
     """Kernels, the loading kwargs and checkpointing reach plan.json as data; train.py reads them."""
-    p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30).plans[0]  # offload needs ~150 GiB
+    # offload needs ~150 GiB of host RAM; the kernels asked for, so that they are in the plan to carry
+    p = memplan.suggest("llama-3.1-8b", "rtx4090", top=1, cpu_mem=256 << 30, kernels=True, tiled_mlp=True).plans[0]
     files = emit.render(p, memplan.resolve_model("llama-3.1-8b"), ("trainer", "deepspeed", "accelerate"))
     launch = json.loads(files["plan.json"])["launch"]
     assert launch["model"] == "meta-llama/Llama-3.1-8B" and launch["auto_class"] == "AutoModelForCausalLM"
     assert launch["model_kwargs"] == {"attn_implementation": {"flash": "flash_attention_2", "sdpa": "sdpa",
                                                               "eager": "eager"}[p.attn], "dtype": "float32"}
-    assert launch["kernels"] == ({"loss": p.kernels, "mlp": p.tiled_mlp, "attention": False}
-                                 if p.kernels or p.tiled_mlp else None)
+    assert launch["kernels"] == {"loss": True, "mlp": True, "attention": False}
     assert launch["checkpointing"] == p.grad_ckpt and launch["not_expressed"] == []
     assert launch["command"] == "accelerate launch --config_file accelerate_config.yaml train.py"
     assert launch["command"] in files["launch.sh"]
@@ -387,7 +387,7 @@ def test_trainer_files_of_a_deepspeed_plan_bring_the_ds_config_they_name():
 
 # -- fine-tuning methods (docs/finetune.md): the files train.py reads --------------------------------
 def with_method(plan, **fields):
-    """The plan with its workload's method fields set (the search does not take --method yet)."""
+    """The plan with its workload's method fields set (one search shared by the methods' tests)."""
     from memplan.inputs.workload import Workload
 
     return plan.model_copy(update={"workload": Workload(**{**plan.workload.model_dump(), **fields})})

@@ -154,7 +154,7 @@ def deepspeed_runs(tiny, tmp_path_factory):
 
 
 def test_the_llama_8b_rtx4090_offload_plan_trains_through_the_hf_trainer_and_deepspeed(deepspeed_runs):
-    """`suggest --model llama-3.1-8b --gpu rtx4090 --emit all` is an offload plan whose
+    """`suggest --model llama-3.1-8b --gpu rtx4090 --cpu-mem 256 --emit all` is an offload plan whose
     files start training (on a tiny llama): DeepSpeed builds DeepSpeedCPUAdam from ds_config.json's
     optimizer section, with the TrainingArguments' betas."""
     plan, run = deepspeed_runs["llama-3.1-8b-rtx4090"]
