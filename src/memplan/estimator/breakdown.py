@@ -9,7 +9,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from memplan.estimator.finetune import Tuning, tuned_params
-from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.modelspec import ModelSpec, category_totals
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 
@@ -81,14 +81,13 @@ class Peak(NamedTuple):
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
     usable = int(gpu.memory_bytes * (1 - w.headroom))
+    # a method's table in training (the model's own for full fine-tuning); inference precisions (int8, int4)
+    # are no training precision a Tuning can read
     table = tuned_params(spec, Tuning.of(w)) if w.task == "train" else spec.params
-    by_category: dict[str, int] = {}
-    for g in table:
-        by_category[g.category] = by_category.get(g.category, 0) + g.total
     info = ModelInfo(name=spec.name, hf_id=spec.hf_id, model_type=spec.model_type, head=spec.head,
                      params_total=sum(g.total for g in table),
-                     params_trainable=sum(g.total for g in table if g.trainable) if w.task == "train"
-                     else spec.params_trainable, params_by_category=by_category)
+                     params_trainable=sum(g.total for g in table if g.trainable),
+                     params_by_category=category_totals(table))
     breakdown = {k: int(p.parts.get(k, 0)) for k in BREAKDOWN_KEYS}
     return MemoryBreakdown(
         model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=p.peak_phase,

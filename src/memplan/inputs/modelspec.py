@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,15 @@ Store = Literal["model", "fp32", "half", "4bit", "4bit-dq", "int8"]
 
 Arch = Literal["encoder", "decoder", "encoder-decoder", "vision"]
 
+
+
+def category_totals(groups: Iterable[ParamGroup]) -> dict[str, int]:
+    """Parameters by category, in CATEGORIES order, the empty ones left out (a model's table or a
+    fine-tuning method's)."""
+    out = {c: 0 for c in CATEGORIES}
+    for g in groups:
+        out[g.category] += g.total
+    return {c: n for c, n in out.items() if n}
 
 class Derived(BaseModel):
     """A frozen model whose cached_property values are derived from its fields: a copy with changed fields
@@ -132,10 +142,7 @@ class ModelSpec(Derived):
         return sum(g.total for g in self.params if g.trainable)
 
     def params_by_category(self) -> dict[str, int]:
-        out = {c: 0 for c in CATEGORIES}
-        for g in self.params:
-            out[g.category] += g.total
-        return {c: n for c, n in out.items() if n}
+        return category_totals(self.params)
 
     @property
     def num_tensors(self) -> int:
