@@ -75,7 +75,7 @@ LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 INTER = ("intermediate_size", "d_ff", "ffn_dim", "n_inner", "hidden_dim")
 HEAD_DIM = ("head_dim", "d_kv")
 KV_HEADS = ("num_key_value_heads",)
-EXPERTS = ("num_local_experts", "num_experts")
+EXPERTS = ("num_local_experts", "n_routed_experts", "num_experts")
 POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 # (names, low, high, why high refuses no real model). The bounds keep every byte count of a step inside
 # int64 together with constraints.BOUNDS (measured there: 256 layers x 256 heads at the sequence and
@@ -261,7 +261,35 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
         num_channels=int(_get(cfg, "num_channels", default=0)) if vision else 0,
         sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
         final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
-    )
+    ) | _layer_fields(cfg) | _moe_fields(cfg)
+
+
+def _layer_fields(cfg: Any) -> dict[str, Any]:
+    """Per-layer attention kinds (config.layer_types, which transformers 5 fills in for the families that mix
+    them) and Llama 4's attention chunk."""
+    types = getattr(cfg, "layer_types", None) or ()
+    return dict(layer_types=tuple(str(t) for t in types), attention_chunk_size=_get(cfg, "attention_chunk_size"))
+
+
+def _moe_fields(cfg: Any) -> dict[str, Any]:
+    """The experts' and shared experts' widths and the dense layers of a MoE model, whatever each family calls
+    them (configuration_{qwen3_moe,deepseek_v3,glm4_moe,llama4}.py of transformers 5.23)."""
+    if not is_moe_config(cfg):
+        return {}
+    L = int(_get(cfg, *LAYERS))
+    expert = _get(cfg, "moe_intermediate_size", default=0)
+    shared = _get(cfg, "n_shared_experts", default=0) * expert
+    first_k = _get(cfg, "first_k_dense_replace", default=0)
+    mlp_only, step = set(_get(cfg, "mlp_only_layers", default=())), _get(cfg, "decoder_sparse_step", default=1)
+    # Qwen3-MoE: layer i has experts unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    dense = first_k + sum(1 for i in range(first_k, L) if i in mlp_only or (i + 1) % step)
+    moe_layers = _get(cfg, "moe_layers")
+    if moe_layers is not None:  # Llama 4: the experts are intermediate_size, dense layers intermediate_size_mlp
+        expert, shared, dense = cfg.intermediate_size, cfg.intermediate_size, L - len(moe_layers)
+    out = dict(expert_intermediate_size=int(expert), shared_expert_intermediate_size=int(shared), dense_layers=int(dense))
+    if moe_layers is not None:
+        out["intermediate_size"] = int(cfg.intermediate_size_mlp)
+    return out
 
 
 def meta_param_count(config: dict[str, Any], head: str) -> int:
@@ -280,7 +308,7 @@ def meta_param_count(config: dict[str, Any], head: str) -> int:
 def is_moe_config(config: dict[str, Any] | Any) -> bool:
     """Whether a config (dict or transformers object) has routed experts."""
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
-    return bool(get("num_local_experts") or get("num_experts"))
+    return bool(get("num_local_experts") or get("n_routed_experts") or get("num_experts"))
 
 
 def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdpa", trust_remote_code: bool = False,

@@ -117,6 +117,22 @@ class ModelSpec(Derived):
     num_channels: int = 0
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
+    # Each layer's attention as transformers' config.layer_types names it ("full_attention",
+    # "sliding_attention" (at most sliding_window keys), "chunked_attention" (Llama 4: attention_chunk_size
+    # keys)); (): the config has no layer_types.
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    # -- mixture of experts (num_experts > 1) ------------------------------------------------------------
+    # intermediate_size is the dense MLP's width; a routed expert's may differ (Qwen3-MoE, DeepSeek-V3,
+    # GLM-4-MoE: moe_intermediate_size; Llama 4: intermediate_size, its dense layers intermediate_size_mlp).
+    # 0: the experts are intermediate_size wide (Mixtral, gpt-oss).
+    expert_intermediate_size: int = 0
+    # The shared expert(s) every token also runs, their total width (DeepSeek-V3 / GLM-4-MoE: n_shared_experts
+    # * moe_intermediate_size; Llama 4: one of intermediate_size); 0: none.
+    shared_expert_intermediate_size: int = 0
+    # Layers of a MoE model whose MLP is dense, intermediate_size wide (DeepSeek-V3 first_k_dense_replace,
+    # Qwen3-MoE mlp_only_layers, Llama 4 layers outside moe_layers).
+    dense_layers: int = 0
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
     # Modules transformers leaves unquantised when it loads the model in 4 or 8 bit (the output embedding,
     # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert;
@@ -160,6 +176,16 @@ class ModelSpec(Derived):
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def expert_width(self) -> int:
+        """A routed expert's intermediate width."""
+        return self.expert_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with routed experts (all of them in Mixtral)."""
+        return self.num_layers - self.dense_layers if self.is_moe else 0
 
     @property
     def seq_positions(self) -> int:
