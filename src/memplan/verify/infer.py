@@ -90,21 +90,12 @@ def serve(model, inputs: dict, w: Workload, *, tracker=None, autocast=None) -> l
 
 
 def _model(config, head: str | None, w: Workload, device: str, dtype):
-    import torch
-
-    from memplan.inputs.hf import build_model
-    from memplan.verify import methods
+    from memplan.verify.run import build
 
     if head not in (None, "causal-lm") and w.max_new_tokens:
         raise UserError(f"verify --task infer generates with a causal-lm head; head {head!r} has no generate "
                         "(drop --max-new-tokens to verify one scoring forward)")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
-    if device == "meta":
-        methods.materialize_meta(model, dtype)
-    elif next(model.parameters()).dtype != dtype:
-        model.to(dtype)
+    model, head = build(config, head, w.attn, device, dtype)
     return model.eval(), head
 
 

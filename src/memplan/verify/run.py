@@ -193,24 +193,36 @@ def _half(w: Workload):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[prec.half] if prec.autocast else None
 
 
+def build(config, head: str | None, attn: str, device: str, dtype):
+    """(model, head): the model of `head` with random weights (seed 0) in `dtype` on `device`; "meta" builds on
+    the meta device and materialises empty tensors of the active mode (FakeTensors)."""
+    import torch
+
+    from memplan.inputs.hf import build_model
+    from memplan.verify import methods
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model, head = build_model(config, head, attn, half_weights=dtype != torch.float32)
+    if device == "meta":
+        methods.materialize_meta(model, dtype)
+    elif next(model.parameters()).dtype != dtype:
+        model.to(dtype)
+    return model, head
+
+
 def setup(config, head: str | None, w: Workload, device: str, spec: ModelSpec | None = None):
     """(model, head, optimizer, input dtype) for the plan, built on `device` with random weights; "meta"
     builds on the meta device and materialises empty tensors of the active mode (FakeTensors). `spec`: the
     model's, as run() resolved it; None reads it off the built model (callers with a config only)."""
     import torch
 
-    from memplan.inputs.hf import build_model, spec_from_config
+    from memplan.inputs.hf import spec_from_config
     from memplan.verify import methods
     from memplan.verify.optimizers import build_optimizer
 
     dtype = methods.load_dtype(w)  # the fine-tuning method's load dtype (docs/finetune.md)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
-    if device == "meta":
-        methods.materialize_meta(model, dtype)
-    elif next(model.parameters()).dtype != dtype:
-        model.to(dtype)
+    model, head = build(config, head, w.attn, device, dtype)
     if w.method == "qlora":
         methods.quantise(model, w)
         methods.prepare_kbit(model, w)
