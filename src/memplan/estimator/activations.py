@@ -198,6 +198,61 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     return [t for t in out if not is_core(t)] if selective else out
 
 
+def _latent_norm(name: str, width: int, T: int, p: int, whole: int = 0) -> list[Tensors]:
+    """Saved by an RMSNorm over a latent of `width` values per token that a linear of output width p made
+    (DeepseekV3RMSNorm: x.to(float32), pow, the rstd multiply, then weight * x.to(input_dtype)): the fp32 input
+    (the upcast copy of a half input; an fp32 input is saved as it is: `whole` values per token when it is a
+    split view of a wider output), the rstd and the normalised tensor in the input's dtype p. Its output is fp32
+    under autocast (the fp32 weight times a half tensor), which the next linear casts to half."""
+    src = whole if (p == FP32 and whole) else width
+    return [Tensors(f"{name} fp32 input", FP32 * src * T),
+            Tensors(f"{name} normalised", p * width * T, kind=TensorKind.NORM_INPUT),
+            Tensors(f"{name} rstd", FP32 * T)]
+
+
+def _mla_attention(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, selective: bool) -> list[Tensors]:
+    """Saved by multi-head latent attention after the layer's input norm (transformers 5.23
+    models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention.forward / expand_kv). Notation: a heads, dq =
+    qk_nope + qk_rope (spec.head_dim), dv = v_head_dim, rq = q_lora_rank, rkv = kv_lora_rank, rope = qk_rope.
+    - q_a_proj (or q_proj without q_lora_rank) and kv_a_proj_with_mqa read the norm output: 2 linear inputs;
+    - q_a_layernorm over rq and kv_a_layernorm over rkv (_latent_norm), q_b_proj's input (rq) and kv_b_proj's
+      input (rkv), in the matmul width p (under autocast the norms' fp32 outputs cast to half);
+    - the attention's query cat(q_pass, rotated q_rot) and key (new_empty, k_nope and the shared k_rot copied
+      in), a * dq each; RoPE multiplies by cos / sin, which need no gradient, so it saves nothing per layer;
+    - SDPA (memory-efficient: flash needs one head width for q, k, v): the value is a view of kv_b_proj's output,
+      so the kernel keeps that whole output, a * (qk_nope + dv), alive; its logsumexp; its output (the o_proj
+      input, a * dv);
+    - eager: the QK^T matmul saves q and k; softmax's fp32 output; the probabilities cast back to p; the PV
+      matmul copies the strided value into a contiguous a * dv tensor (its reshape) and saves that; the
+      transpose(1, 2).contiguous() output is the o_proj input. transformers keeps the latent in the KV cache
+      (past_key_values.update(kv_nope, k_rot)): in training these copies are not saved by autograd.
+    Traced: benchmarks/accuracy/results/accuracy-deepseek.md."""
+    h, a, T = spec.hidden_size, spec.num_heads, b * s
+    dq, dv, nope = spec.head_dim, spec.value_head_dim, spec.qk_nope_head_dim
+    rq, rkv, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+    p = HALF if prec.autocast else prec.act  # linear outputs; attention runs on half casts under autocast
+    out = _linear_inputs(2, h, T, prec, "q_a / kv_a input")
+    if rq:
+        out += _latent_norm("q_a_layernorm", rq, T, p)
+        out.append(Tensors("q_b_proj input", p * rq * T, kind=TensorKind.WEIGHT_INPUT))
+    out += _latent_norm("kv_a_layernorm", rkv, T, p, whole=rkv + rope)
+    out.append(Tensors("kv_b_proj input", p * rkv * T, kind=TensorKind.WEIGHT_INPUT))
+    out.append(Tensors("query (q_pass, q_rot), key (k_nope, k_rot)", p * a * dq * T, 2))
+    if attn == "eager":
+        scores = b * a * s * s
+        out += [Tensors("core: softmax output", _softmax_bytes(spec, prec) * scores, kind=TensorKind.CORE),
+                Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE),
+                Tensors("core: value (contiguous copy)", p * a * dv * T, kind=TensorKind.CORE)]
+        if selective:  # the checkpointed core's input is the value view of kv_b_proj's output
+            out.append(Tensors("kv_b_proj output (value's storage)", p * a * (nope + dv) * T))
+    else:
+        out += [Tensors("kv_b_proj output (k_nope and value, value's storage)", p * a * (nope + dv) * T),
+                Tensors("core: logsumexp", FP32 * b * a * s, kind=TensorKind.CORE)]
+    out.append(Tensors("context (o_proj input)", p * a * dv * T,
+                       kind=TensorKind.WEIGHT_INPUT if attn == "eager" else TensorKind.OTHER))
+    return [t for t in out if not is_core(t)] if selective else out
+
+
 def query_is_view(prec: Precision) -> bool:
     """Whether the attention kernel gets the projection's output as it is (the query a view of it), or
     autocast's half cast of it: QLoRA's quantised projections return fp32 under autocast (bitsandbytes 0.50.2
@@ -275,9 +330,12 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     out: list[Tensors] = []
     for _ in range(n_norms):
         out += _norm(spec, T, prec)
-    out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
-    out += _qk_norms(spec, T, prec)
-    out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
+    if spec.is_mla:
+        out += _mla_attention(spec, b, s, prec, attn, selective)
+    else:
+        out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
+        out += _qk_norms(spec, T, prec)
+        out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
