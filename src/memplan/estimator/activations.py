@@ -612,6 +612,8 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, fu
     h, a, k, d, f, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, b * s
     base = [Tensors("residual, norm output", p * h * T, 2)]
     attn_ts = [Tensors("q, k, v", p * d * T * (a + 2 * k))]
+    if spec.is_mla:  # query and key at a * dq, kv_b_proj's output (k_nope and v) that the value is a view of
+        attn_ts = [Tensors("q, k, kv_b_proj output", p * T * a * (2 * d + spec.qk_nope_head_dim + spec.value_head_dim))]
     if attn == "eager":
         attn_ts.append(Tensors("scores, probs", FP32 * b * a * s * s, 2))
     else:

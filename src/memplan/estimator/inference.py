@@ -16,10 +16,22 @@ from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 
 
+def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int) -> int:
+    """One layer's KV cache bytes per token: k and v at the KV heads (2 * kv_heads * head_dim), or, with
+    multi-head latent attention, the latent and the shared rotary key (kv_lora_rank + qk_rope_head_dim): transformers
+    5.23 caches them before decompressing (modeling_deepseek_v3.py DeepseekV3Attention.forward:
+    past_key_values.update(kv_nope, k_rot) as one-head keys and values), as serving engines do (vLLM's
+    MLAAttentionSpec: num_kv_heads=1, head_size=kv_lora_rank + qk_rope_head_dim; DeepSeek-V3: 576 values against
+    49,152 decompressed)."""
+    if spec.is_mla:
+        return (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_bytes
+    return 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+
+
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:
-    """2 (k and v) * layers * sequences * length * kv_heads * head_dim * bytes; sliding-window layers
-    keep at most the window (transformers' DynamicSlidingWindowLayer)."""
-    per_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    """kv_bytes_per_token * layers * sequences * length; sliding-window layers keep at most the window
+    (transformers' DynamicSlidingWindowLayer)."""
+    per_token = kv_bytes_per_token(spec, kv_bytes)
     layers = spec.num_decoder_layers if spec.arch == "encoder-decoder" else spec.num_layers
     window = spec.sliding_window
     if window and length > window:
