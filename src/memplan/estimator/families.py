@@ -148,7 +148,11 @@ FAMILIES: dict[str, Family] = {
     # _supports_flash_attn. Its head is the standard lm_head on `model`, so the fused loss and the tiled (dense)
     # MLP apply; memplan's tiled attention does not: its q / k head width (qk_nope + qk_rope) differs from v's
     # (kernels/attention.py takes one head_dim). PEFT 0.21 has no default LoRA targets for deepseek_v3.
-    "deepseek_v3": Family(**_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True),
+    # flash: transformers' flash_attention_2 pads v to the q / k width and crops the output
+    # (integrations/flash_attention.py), which memplan does not model, and memplan's flash (SDPA's flash kernel)
+    # needs one head width for q, k and v, so it is left out; SDPA runs the memory-efficient kernel.
+    "deepseek_v3": Family(**_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True,
+                          attn_unsupported=("flash",)),
     # ViTEmbeddings: patch projection, cls token, position embeddings, no LayerNorm
     "vit": Family(arch="vision", softmax_fp32=True, embedding_norm=False, selective=True),
 }
