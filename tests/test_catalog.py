@@ -59,7 +59,7 @@ def test_qwen3_and_olmo2_counts_match_their_model_cards():
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
-    assert len(ENTRIES) == 40
+    assert len(ENTRIES) == 42
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 
@@ -82,6 +82,8 @@ def test_catalog_is_complete_and_names_unique():
         ("Qwen/Qwen3-8B", "qwen3-8b"),
         ("allenai/OLMo-2-1124-7B", "olmo-2-7b"),
         ("olmo2-7b", "olmo-2-7b"),
+        ("deepseek-ai/DeepSeek-V3", "deepseek-v3"),
+        ("deepseek-ai/DeepSeek-R1", "deepseek-r1"),
     ],
 )
 def test_resolve_names(name, expected):
@@ -205,6 +207,6 @@ def test_family_without_an_activation_model_is_refused():
     that has none, naming the ones it models."""
     from memplan.inputs.hf import prepare_config
 
-    with pytest.raises(UserError, match=r"'bloom' has no activation model yet \(supported: bert, distilbert, .*vit\)"):
+    with pytest.raises(UserError, match=r"'bloom' has no activation model yet \(supported: bert, .*distilbert, .*vit\)"):
         prepare_config({"model_type": "bloom", "n_layer": 2}, None)
     assert prepare_config(get_entry("t5-small").config, None)[1] == "seq2seq-lm"  # the family's default head

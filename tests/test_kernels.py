@@ -170,6 +170,12 @@ TINY = {
     "olmo2": dict(model_type="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
                   pad_token_id=1, eos_token_id=2),
+    # multi-head latent attention with both layers dense (first_k_dense_replace = layers): the fused loss and the
+    # tiled DeepseekV3MLP apply; the tiled attention does not (q/k and v head widths differ)
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2,
+                        n_routed_experts=0, n_group=1, topk_group=1, vocab_size=97, max_position_embeddings=64),
 }
 
 

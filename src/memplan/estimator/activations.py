@@ -198,6 +198,61 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     return [t for t in out if not is_core(t)] if selective else out
 
 
+def _latent_norm(name: str, width: int, T: int, p: int, whole: int = 0) -> list[Tensors]:
+    """Saved by an RMSNorm over a latent of `width` values per token that a linear of output width p made
+    (DeepseekV3RMSNorm: x.to(float32), pow, the rstd multiply, then weight * x.to(input_dtype)): the fp32 input
+    (the upcast copy of a half input; an fp32 input is saved as it is: `whole` values per token when it is a
+    split view of a wider output), the rstd and the normalised tensor in the input's dtype p. Its output is fp32
+    under autocast (the fp32 weight times a half tensor), which the next linear casts to half."""
+    src = whole if (p == FP32 and whole) else width
+    return [Tensors(f"{name} fp32 input", FP32 * src * T),
+            Tensors(f"{name} normalised", p * width * T, kind=TensorKind.NORM_INPUT),
+            Tensors(f"{name} rstd", FP32 * T)]
+
+
+def _mla_attention(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, selective: bool) -> list[Tensors]:
+    """Saved by multi-head latent attention after the layer's input norm (transformers 5.23
+    models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention.forward / expand_kv). Notation: a heads, dq =
+    qk_nope + qk_rope (spec.head_dim), dv = v_head_dim, rq = q_lora_rank, rkv = kv_lora_rank, rope = qk_rope.
+    - q_a_proj (or q_proj without q_lora_rank) and kv_a_proj_with_mqa read the norm output: 2 linear inputs;
+    - q_a_layernorm over rq and kv_a_layernorm over rkv (_latent_norm), q_b_proj's input (rq) and kv_b_proj's
+      input (rkv), in the matmul width p (under autocast the norms' fp32 outputs cast to half);
+    - the attention's query cat(q_pass, rotated q_rot) and key (new_empty, k_nope and the shared k_rot copied
+      in), a * dq each; RoPE multiplies by cos / sin, which need no gradient, so it saves nothing per layer;
+    - SDPA (memory-efficient: flash needs one head width for q, k, v): the value is a view of kv_b_proj's output,
+      so the kernel keeps that whole output, a * (qk_nope + dv), alive; its logsumexp; its output (the o_proj
+      input, a * dv);
+    - eager: the QK^T matmul saves q and k; softmax's fp32 output; the probabilities cast back to p; the PV
+      matmul copies the strided value into a contiguous a * dv tensor (its reshape) and saves that; the
+      transpose(1, 2).contiguous() output is the o_proj input. transformers keeps the latent in the KV cache
+      (past_key_values.update(kv_nope, k_rot)): in training these copies are not saved by autograd.
+    Traced: benchmarks/accuracy/results/accuracy-deepseek.md."""
+    h, a, T = spec.hidden_size, spec.num_heads, b * s
+    dq, dv, nope = spec.head_dim, spec.value_head_dim, spec.qk_nope_head_dim
+    rq, rkv, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+    p = HALF if prec.autocast else prec.act  # linear outputs; attention runs on half casts under autocast
+    out = _linear_inputs(2, h, T, prec, "q_a / kv_a input")
+    if rq:
+        out += _latent_norm("q_a_layernorm", rq, T, p)
+        out.append(Tensors("q_b_proj input", p * rq * T, kind=TensorKind.WEIGHT_INPUT))
+    out += _latent_norm("kv_a_layernorm", rkv, T, p, whole=rkv + rope)
+    out.append(Tensors("kv_b_proj input", p * rkv * T, kind=TensorKind.WEIGHT_INPUT))
+    out.append(Tensors("query (q_pass, q_rot), key (k_nope, k_rot)", p * a * dq * T, 2))
+    if attn == "eager":
+        scores = b * a * s * s
+        out += [Tensors("core: softmax output", _softmax_bytes(spec, prec) * scores, kind=TensorKind.CORE),
+                Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE),
+                Tensors("core: value (contiguous copy)", p * a * dv * T, kind=TensorKind.CORE)]
+        if selective:  # the checkpointed core's input is the value view of kv_b_proj's output
+            out.append(Tensors("kv_b_proj output (value's storage)", p * a * (nope + dv) * T))
+    else:
+        out += [Tensors("kv_b_proj output (k_nope and value, value's storage)", p * a * (nope + dv) * T),
+                Tensors("core: logsumexp", FP32 * b * a * s, kind=TensorKind.CORE)]
+    out.append(Tensors("context (o_proj input)", p * a * dv * T,
+                       kind=TensorKind.WEIGHT_INPUT if attn == "eager" else TensorKind.OTHER))
+    return [t for t in out if not is_core(t)] if selective else out
+
+
 def query_is_view(prec: Precision) -> bool:
     """Whether the attention kernel gets the projection's output as it is (the query a view of it), or
     autocast's half cast of it: QLoRA's quantised projections return fp32 under autocast (bitsandbytes 0.50.2
@@ -275,9 +330,12 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     out: list[Tensors] = []
     for _ in range(n_norms):
         out += _norm(spec, T, prec)
-    out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
-    out += _qk_norms(spec, T, prec)
-    out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
+    if spec.is_mla:
+        out += _mla_attention(spec, b, s, prec, attn, selective)
+    else:
+        out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
+        out += _qk_norms(spec, T, prec)
+        out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
@@ -548,54 +606,37 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
                           full_logits: bool, context: int = 0) -> dict[str, list[Tensors]]:
-    """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "head") over b
-    sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`, transformers 5.23
-    modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under autocast);
-    context: the keys each query attends to (a decode step's cache length; 0: the s tokens themselves).
+    """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
+    "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`,
+    transformers 5.23 modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under
+    autocast); context: the keys each query attends to (a decode step's cache length; 0: the s tokens).
     - a layer's MLP: the residual stream held four times (the embedding output, which the model's forward
       keeps in `inputs_embeds`; the layer's input, held by the layer loop until the layer returns; the
       residual after attention; the norm output the MLP reads) and the MLP's intermediates (gated: act(gate),
       up and their product; plain: the up projection and its activation);
-    - a layer's attention: the embedding output, the layer input and the norm output, q, k, v and the
-      attention output (eager: q, k and v at the query heads, the scores and their fp32 softmax);
+    - a layer's attention and RoPE (_inference_attention);
     with rotary models' cos and sin (1 x s x head_dim each, in the residual stream's dtype) and eager's masks.
     At the head, after the base model's forward has returned (its locals are gone): the final norm output and
     the logits, of every position when scoring, of the last one when generating (generate's
     logits_to_keep=1, and its fp32 copy of them: generation/utils.py)."""
     if spec.arch == "vision":
         s = spec.seq_positions
-    h, a, k, d, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, b * s
-    stream = lambda n, what: [Tensors(what, r * h * T, n)]  # noqa: E731
+    h, T = spec.hidden_size, b * s
     # an encoder's layers are post-norm (BertLayer: the attention's LayerNorm output is the MLP input), so no
     # norm output precedes the attention and none beside the MLP's input
     post_norm = spec.arch == "encoder"
-    rope = [Tensors("rotary cos, sin", r * s * d, 2)] if spec.position == "rotary" else []
-    f, f_tok = spec.intermediate_size, T
-    if spec.is_moe:
-        f, f_tok = spec.expert_width, T * spec.experts_per_token
-    mlp = stream(3 if post_norm else 4, "embedding output, layer input, (residual after attention,) MLP input") + [
-        Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
-    att = stream(2 if post_norm else 3, "embedding output, layer input, (norm output)")
-    # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32, and
-    # the cache's torch.cat promotes v to k's dtype (inference.py, kv_b)
-    qkv = r if spec.position == "rotary" else p
-    if attn == "eager":
-        # repeat_kv's copies of k and v at every query head; the scaled scores (plus a decoder's float mask, in
-        # the residual stream's dtype, so promoted to it) beside the softmax output: fp32 where the family, an
-        # fp32 model or autocast computes it in fp32, after an fp32 copy of a half input (traced)
-        kv_heads, s_kv = (a if a != k else k), context or s
-        m = r if spec.arch == "decoder" else p
-        fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
-        sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
-        att += [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", qkv * kv_heads * d * b * s_kv, 2),
-                Tensors("masked scores, softmax (and its fp32 input copy)", (m + sm) * b * a * s * s_kv)]
-    else:
-        att += [Tensors("q, k, v", qkv * d * T * (a + 2 * k)), Tensors("attention output", p * a * d * T)]
+    rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
+    around = [Tensors("rotary cos, sin", r * s * rope_dim, 2)] if spec.position == "rotary" else []
     if attn == "eager" and spec.arch == "decoder":
         # transformers 5.23 masking_utils: eager gets the causal mask as a float (b, 1, s, s) tensor in the
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
-        rope = rope + [Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types))))]
+        around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
+    f, f_tok = spec.intermediate_size, T
+    if spec.is_moe:
+        f, f_tok = spec.expert_width, T * spec.experts_per_token
+    mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
+                   3 if post_norm else 4), Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
@@ -604,5 +645,45 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
             head.append(Tensors("logits fp32 (generate)", FP32 * n_tok * spec.vocab_size))
     if spec.arch == "vision":  # the images stay alive through the forward, in the weights' dtype
         pixels = [Tensors("pixel values", r * b * spec.num_channels * spec.image_size ** 2)]
-        rope, head = rope + pixels, head + pixels
-    return {"mlp": rope + mlp, "attention": rope + att, "head": head}
+        around, head = around + pixels, head + pixels
+    layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
+    return {k: around + ts for k, ts in layer.items()} | {"head": head}
+
+
+def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,
+                         post_norm: bool) -> dict[str, list[Tensors]]:
+    """A layer's attention under no_grad: the embedding output, the layer input and the norm output (no norm
+    output in a post-norm encoder), q, k, v and the attention output (eager: q, k and v at the query heads, the
+    scores beside the softmax output); and ("rotary") RoPE before the layer's k and v reach the cache."""
+    h, a, k, d, T, s_kv = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, b * s, context or s
+    stream = [Tensors("embedding output, layer input, (norm output)", r * h * T, 2 if post_norm else 3)]
+    # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32, and
+    # the cache's torch.cat promotes v to k's dtype (inference.py, kv_b)
+    qkv = r if spec.position == "rotary" else p
+    if spec.is_mla:
+        # multi-head latent attention decompresses the cached latent at every step (modeling_deepseek_v3.py):
+        # the query at a * dq per new token; the key at a * dq and kv_b_proj's output (k_nope and v, which the
+        # value is a view of) per attended token
+        qkv_ts = [Tensors("q_b_proj output, the query built from it", qkv * a * d * T, 2),
+                  Tensors("k, kv_b_proj output", p * b * s_kv * a * (d + spec.qk_nope_head_dim + spec.value_head_dim))]
+    elif attn == "eager":  # repeat_kv's copies of k and v at every query head
+        qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", qkv * (a if a != k else k) * d * b * s_kv, 2)]
+    else:
+        qkv_ts = [Tensors("q, k, v", qkv * d * T * (a + 2 * k))]
+    if attn == "eager":
+        # the scaled scores (plus a decoder's float mask, in the residual stream's dtype, so promoted to it)
+        # beside the softmax output: fp32 where the family, an fp32 model or autocast computes it in fp32, after
+        # an fp32 copy of a half input (traced)
+        m = r if spec.arch == "decoder" else p
+        fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
+        sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
+        core = [Tensors("masked scores, softmax (and its fp32 input copy)", (m + sm) * b * a * s * s_kv)]
+    else:
+        core = [Tensors("attention output", p * a * d * T)]
+    out = {"attention": stream + qkv_ts + core}
+    if spec.position == "rotary" and not spec.is_mla:
+        # apply_rotary_pos_emb: q, q * cos, rotate_half(q) (a torch.cat) and its product with sin live together
+        # beside k and v (traced: Qwen3 under autocast)
+        out["rotary"] = stream + [Tensors("q, q * cos, rotate_half(q), its product with sin", qkv * a * d * T, 4),
+                                  Tensors("k", qkv * k * d * T), Tensors("v", p * k * d * T)]
+    return out

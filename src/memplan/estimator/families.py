@@ -139,6 +139,17 @@ FAMILIES: dict[str, Family] = {
                      fused_loss_causal_base="model", tiled_mlp=True),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),
+    # DeepseekV3Attention: multi-head latent attention (ModelSpec.is_mla; activations._mla_attention), RMSNorm,
+    # rotary on the rope part of q and k (rope_interleave), SwiGLU MLP (DeepseekV3MLP; routed + shared experts
+    # in DeepseekV3MoE after first_k_dense_replace dense layers); eager softmax in fp32; _supports_sdpa and
+    # _supports_flash_attn. Its head is the standard lm_head on `model`, so the fused loss and the tiled (dense)
+    # MLP apply; memplan's tiled attention does not: its q / k head width (qk_nope + qk_rope) differs from v's
+    # (kernels/attention.py takes one head_dim). PEFT 0.21 has no default LoRA targets for deepseek_v3.
+    # flash: transformers' flash_attention_2 pads v to the q / k width and crops the output
+    # (integrations/flash_attention.py), which memplan does not model, and memplan's flash (SDPA's flash kernel)
+    # needs one head width for q, k and v, so it is left out; SDPA runs the memory-efficient kernel.
+    "deepseek_v3": Family(**_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True,
+                          attn_unsupported=("flash",)),
     # ViTEmbeddings: patch projection, cls token, position embeddings, no LayerNorm
     "vit": Family(arch="vision", softmax_fp32=True, embedding_norm=False, selective=True),
 }

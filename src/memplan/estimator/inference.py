@@ -15,6 +15,18 @@ from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 
 
+def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int) -> int:
+    """One layer's KV cache bytes per token: k and v at the KV heads (2 * kv_heads * head_dim), or, with
+    multi-head latent attention, the latent and the shared rotary key (kv_lora_rank + qk_rope_head_dim): transformers
+    5.23 caches them before decompressing (modeling_deepseek_v3.py DeepseekV3Attention.forward:
+    past_key_values.update(kv_nope, k_rot) as one-head keys and values), as serving engines do (vLLM's
+    MLAAttentionSpec: num_kv_heads=1, head_size=kv_lora_rank + qk_rope_head_dim; DeepSeek-V3: 576 values against
+    49,152 decompressed)."""
+    if spec.is_mla:
+        return (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_bytes
+    return 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+
+
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
     """Each cached layer's window: the keys a sliding-window layer keeps (sliding_window), or a chunked one
     (Llama 4's attention_chunk_size: transformers caches it as a sliding window, cache_utils.py
@@ -28,12 +40,12 @@ def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, prefill: bool = False) -> int:
-    """2 (k and v) * sequences * kv_heads * head_dim * bytes * the tokens each layer's storage holds after a
+    """kv_bytes_per_token * sequences * the tokens each layer's storage holds after a
     step over `length` tokens of context. transformers 5.23 DynamicCache (cache_utils.py): a full layer holds
     every token; a sliding layer (DynamicSlidingWindowLayer.update) keeps a view of the last window - 1 tokens
     of torch.cat(old, new), so its storage is the cat's: after a decode step min(length, window) tokens, but
     after the prefill (`prefill`) the whole prompt, until the first decode step replaces it."""
-    per_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    per_token = kv_bytes_per_token(spec, kv_bytes)
     tokens = sum(length if (w is None or prefill) else min(length, w) for w in layer_windows(spec))
     return per_token * sequences * tokens
 
@@ -63,11 +75,15 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     generate = w.max_new_tokens > 0
     ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate)
     kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True) if generate else 0
-    # the last layer's attention runs before its MLP's weights are cast
+    # the last layer's attention runs before its MLP's weights are cast, its gate * up before down_proj's
     last_mlp = cache_mlp // max(spec.total_layers, 1)
-    moments = {"prefill": (cache - cache_head, kv_prompt, ws["mlp"]),
+    last_down = last_mlp // (3 if spec.mlp == "gated" else 2)
+    moments = {"prefill": (cache - cache_head - last_down, kv_prompt, ws["mlp"]),
                "prefill attention": (cache - cache_head - last_mlp, kv_prompt, ws["attention"]),
                "prefill head": (cache, kv_prompt, ws["head"])}
+    if "rotary" in ws:  # the last layer's RoPE: its k and v are not cached yet
+        last_kv = kv_prompt // max(len(layer_windows(spec)), 1)
+        moments["prefill rotary"] = (cache - cache_head - last_mlp, kv_prompt - last_kv, ws["rotary"])
     if generate:
         length = w.seq_len + w.max_new_tokens
         kv_end = kv_cache_bytes(spec, seqs, length, kv_b)

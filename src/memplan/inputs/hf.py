@@ -261,7 +261,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
         num_channels=int(_get(cfg, "num_channels", default=0)) if vision else 0,
         sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
         final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
-    ) | _layer_fields(cfg) | _moe_fields(cfg)
+    ) | _layer_fields(cfg) | _moe_fields(cfg) | _mla_fields(cfg)
 
 
 def _layer_fields(cfg: Any) -> dict[str, Any]:
@@ -290,6 +290,18 @@ def _moe_fields(cfg: Any) -> dict[str, Any]:
     if moe_layers is not None:
         out["intermediate_size"] = int(cfg.intermediate_size_mlp)
     return out
+
+
+def _mla_fields(cfg: Any) -> dict[str, Any]:
+    """Multi-head latent attention's widths (transformers 5.23 configuration_deepseek_v3.py: q_lora_rank None
+    means one q_proj; __post_init__ sets head_dim = qk_rope_head_dim, the rotary width, so the spec's head_dim
+    is qk_head_dim = qk_nope_head_dim + qk_rope_head_dim, the query / key head width the attention runs at)."""
+    kv_rank = _get(cfg, "kv_lora_rank")
+    if not kv_rank:
+        return {}
+    rope, nope = int(cfg.qk_rope_head_dim), int(cfg.qk_nope_head_dim)
+    return dict(kv_lora_rank=int(kv_rank), q_lora_rank=int(_get(cfg, "q_lora_rank", default=0)),
+                qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=int(cfg.v_head_dim), head_dim=nope + rope)
 
 
 def meta_param_count(config: dict[str, Any], head: str) -> int:

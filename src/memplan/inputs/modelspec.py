@@ -138,6 +138,15 @@ class ModelSpec(Derived):
     # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert;
     # and the model's _keep_in_fp32_modules, e.g. T5's wo)
     unquantised: tuple[str, ...] = ()
+    # -- multi-head latent attention (DeepSeek-V2 / V3: transformers 5.23 models/deepseek_v3/
+    # modeling_deepseek_v3.py DeepseekV3Attention); 0 everywhere else. With MLA, head_dim is the query / key
+    # head width qk_nope_head_dim + qk_rope_head_dim (config.qk_head_dim; the config's own head_dim is the
+    # rotary width) and num_kv_heads = num_heads (the latent is decompressed to every head).
+    kv_lora_rank: int = 0  # the compressed key / value latent's width (kv_a_proj_with_mqa -> kv_a_layernorm)
+    q_lora_rank: int = 0  # the compressed query's width (q_a_proj -> q_a_layernorm -> q_b_proj); 0: one q_proj
+    qk_rope_head_dim: int = 0  # the rotary part of each query / key head (k's is one head shared by all)
+    qk_nope_head_dim: int = 0  # the part of each query / key head without position
+    v_head_dim: int = 0  # the value head width (0: head_dim)
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).
@@ -186,6 +195,16 @@ class ModelSpec(Derived):
     def moe_layers(self) -> int:
         """Layers with routed experts (all of them in Mixtral)."""
         return self.num_layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: keys and values decompressed from a per-token latent."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        """A value head's width: head_dim but in MLA (v_head_dim)."""
+        return self.v_head_dim or self.head_dim
 
     @property
     def seq_positions(self) -> int:

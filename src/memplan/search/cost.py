@@ -65,7 +65,10 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
     selective (the attention core's forward again) or full (the whole forward again)."""
     n = active_params(spec)
     causal = spec.arch == "decoder" and attn != "eager"
-    attn_fwd = 4 * seq * spec.num_heads * spec.head_dim * spec.total_layers * (0.5 if causal else 1.0)
+    # QK^T at the query / key head width and PV at the value head width, 2 FLOPs per multiply-add (MLA: 192 and
+    # 128 in DeepSeek-V3; else both head_dim, 4 * seq * heads * head_dim)
+    attn_fwd = 2 * seq * spec.num_heads * (spec.head_dim + spec.value_head_dim) * spec.total_layers * (
+        0.5 if causal else 1.0)
     model = 6 * n + 3 * attn_fwd
     hw = model + {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[recompute]
     if fused_loss:  # the fused loss recomputes the logits in backward: the LM head's forward again

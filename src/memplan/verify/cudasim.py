@@ -47,11 +47,13 @@ def _eligible(t) -> bool:
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, attn_mask, sm: tuple[int, int], enable_gqa: bool,
-                force: str | None = None) -> str:
+                force: str | None = None, v_dim: int | None = None) -> str:
     """Which CUDA SDPA kernel torch picks for these inputs on a GPU of compute capability `sm`."""
     d = q.shape[-1]
     gqa = enable_gqa and q.shape[-3] != k.shape[-3]
-    flash_ok = sm >= (8, 0) and q.dtype in HALF and attn_mask is None and d <= 256
+    # flash also needs one head width for q, k and v (torch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+    # check_head_dim_size_flash); MLA's values are narrower than its queries and keys (DeepSeek-V3: 128 vs 192)
+    flash_ok = sm >= (8, 0) and q.dtype in HALF and attn_mask is None and d <= 256 and v_dim in (None, d)
     if force == "flash" and q.dtype in HALF:
         return "flash"
     if flash_ok:
@@ -159,7 +161,7 @@ class CudaSemantics(TorchFunctionMode):
         q, k, v = a["query"], a["key"], a["value"]
         mask, p = a.get("attn_mask"), float(a.get("dropout_p", 0.0))
         causal, scale, gqa = bool(a.get("is_causal", False)), a.get("scale"), bool(a.get("enable_gqa", False))
-        kernel = sdpa_kernel(q, k, mask, self.sm, gqa, self.force_kernel)
+        kernel = sdpa_kernel(q, k, mask, self.sm, gqa, self.force_kernel, v.shape[-1])
         self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         if kernel == "math":
             return func(*args, **kwargs)
