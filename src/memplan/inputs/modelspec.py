@@ -138,6 +138,10 @@ class ModelSpec(Derived):
     # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert;
     # and the model's _keep_in_fp32_modules, e.g. T5's wo)
     unquantised: tuple[str, ...] = ()
+    # -- code families (issue 16: starcoder2, gpt_bigcode, falcon) ----------------------------------------
+    # LayerNorms per layer where the config decides it (Falcon: one input_layernorm shared by attention and MLP
+    # under parallel_attn, two otherwise); 0: the family's (families.Family.norms_per_layer)
+    layer_norms: int = 0
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).
