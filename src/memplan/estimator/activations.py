@@ -309,7 +309,8 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     elif tiled_mlp:
         # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
         # norm output, in the residual dtype)
-        out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
+        if not _mlp_reads_saved_qkv_input(spec, prec):
+            out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
     else:
         out += _mlp_block(spec, T, prec)
     return out
@@ -321,12 +322,16 @@ def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     n_up = fam.gated_up_linears if spec.mlp == "gated" else 1
     if fam.parallel_residual:
         n_up = 1
-    inputs = _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input")
-    if spec.layer_norms == 1 and not inputs[0].uncast:
-        # Falcon's parallel layer: the MLP reads the attention's norm output (FalconDecoderLayer: mlp_layernorm_out
-        # = attention_layernorm_out), already saved as the qkv input unless autocast casts it per linear
-        inputs = []
+    inputs = [] if _mlp_reads_saved_qkv_input(spec, prec) else _linear_inputs(n_up, spec.hidden_size, T, prec,
+                                                                              "mlp input")
     return inputs + _mlp(spec, T, prec)
+
+
+def _mlp_reads_saved_qkv_input(spec: ModelSpec, prec: Precision) -> bool:
+    """Falcon's parallel layer with one LayerNorm: the MLP reads the attention's norm output (transformers 5.23
+    models/falcon/modeling_falcon.py FalconDecoderLayer: mlp_layernorm_out = attention_layernorm_out), already
+    saved as the qkv input, unless autocast casts it for each linear."""
+    return spec.layer_norms == 1 and not (prec.autocast and prec.residual != HALF)
 
 
 def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:

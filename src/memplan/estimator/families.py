@@ -125,9 +125,11 @@ FAMILIES: dict[str, Family] = {
     # Starcoder2DecoderLayer: LayerNorm (with bias) before attention and MLP, q/k/v/o_proj with bias (use_bias),
     # Starcoder2MLP c_fc -> gelu_pytorch_tanh -> c_proj, residual_dropout after o_proj and after the MLP,
     # embedding_dropout after the embeddings; attention through ALL_ATTENTION_FUNCTIONS with the config's
-    # sliding_window (every layer); eager_attention_forward up-casts the softmax. PEFT: q_proj, v_proj
+    # sliding_window (every layer); eager_attention_forward up-casts the softmax. No memplan attention: its
+    # sliding-window mask function is not one kernels/attention.py hf_mask tiles, so the tiled attention would
+    # run its eager fallback on every StarCoder 2 (all set a window). PEFT: q_proj, v_proj
     "starcoder2": Family(**_DECODER, lora_targets=_QV, position="rotary", softmax_fp32=True, sdpa_mask="window",
-                         fused_loss_causal_base="model", tiled_mlp=True, memplan_attention=True),
+                         fused_loss_causal_base="model", tiled_mlp=True),
     # GPTBigCodeAttention: one c_attn Linear gives q (h) and, under multi_query, one k and one v head
     # (2 * head_dim; hf._kv_fields: 1 kv head), split as views of its output (the query a view of it: the
     # whole output stays alive beside the cache's k, v copies); learned positions (wpe); GPTBigCodeMLP

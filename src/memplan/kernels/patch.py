@@ -164,6 +164,12 @@ def _use_tiled_attention(model: torch.nn.Module) -> str:
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError("memplan.kernels.apply(attention=True): the tiled attention has no logit soft-capping "
                          f"(config.attn_logit_softcapping = {config.attn_logit_softcapping})")
+    fam = family(config.model_type)
+    if not fam.memplan_attention:
+        # e.g. Falcon calls SDPA or its own eager code, not the AttentionInterface "memplan" registers
+        raise ValueError(f"memplan.kernels.apply(attention=True): the tiled attention is for "
+                         f"{', '.join(model_types(lambda f: f.memplan_attention))}; not {type(model).__name__} "
+                         f"({config.model_type})")
     previous = config._attn_implementation
     register()
     model.set_attn_implementation(NAME)
