@@ -127,8 +127,9 @@ FAMILIES: dict[str, Family] = {
     # embedding_dropout after the embeddings; attention through ALL_ATTENTION_FUNCTIONS with the config's
     # sliding_window (every layer); eager_attention_forward up-casts the softmax. No memplan attention: its
     # sliding-window mask function is not one kernels/attention.py hf_mask tiles, so the tiled attention would
-    # run its eager fallback on every StarCoder 2 (all set a window). PEFT: q_proj, v_proj
-    "starcoder2": Family(**_DECODER, lora_targets=_QV, position="rotary", softmax_fp32=True, sdpa_mask="window",
+    # run its eager fallback on every StarCoder 2 (all set a window). PEFT has no default LoRA targets for it
+    # (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no starcoder2 entry)
+    "starcoder2": Family(**_DECODER, position="rotary", softmax_fp32=True, sdpa_mask="window",
                          fused_loss_causal_base="model", tiled_mlp=True),
     # GPTBigCodeAttention: one c_attn Linear gives q (h) and, under multi_query, one k and one v head
     # (2 * head_dim; hf._kv_fields: 1 kv head), split as views of its output (the query a view of it: the
