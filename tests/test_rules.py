@@ -96,15 +96,21 @@ def test_kv_cache_formula():
     assert kv_cache_bytes(spec, 3, 100, 2) == 2 * 2 * 3 * 100 * 2 * 16 * 2
 
 
-def test_sliding_window_layers_follow_the_family():
-    """Past the window, a family whose every layer slides (mistral v0.1) keeps the window per layer; one that
-    alternates sliding and full layers (gemma2) keeps the whole length on half of them."""
+def test_sliding_window_layers_follow_the_layer_types():
+    """Past the window, a model whose every layer slides (mistral v0.1: a window, no layer_types) keeps the
+    window per layer after a decode step; one whose layer_types alternate sliding and full layers (gemma2)
+    keeps the whole length on the full ones; right after the prefill every layer still holds the whole prompt
+    (DynamicSlidingWindowLayer keeps a view of torch.cat's output); chunked layers slide by the chunk."""
     spec = _tiny_spec(model_type="mistral", num_layers=4, sliding_window=10)
     per_token_layer = 2 * 4 * 16 * 2  # k and v, kv heads, head dim, bytes
     assert kv_cache_bytes(spec, 1, 100, 2) == per_token_layer * 4 * 10
-    gemma2 = spec.model_copy(update={"model_type": "gemma2"})
+    assert kv_cache_bytes(spec, 1, 100, 2, prefill=True) == per_token_layer * 4 * 100
+    gemma2 = spec.model_copy(update={"layer_types": ("sliding_attention", "full_attention") * 2})
     assert kv_cache_bytes(gemma2, 1, 100, 2) == per_token_layer * (2 * 10 + 2 * 100)
     assert kv_cache_bytes(gemma2, 1, 10, 2) == per_token_layer * 4 * 10  # within the window
+    llama4 = spec.model_copy(update={"sliding_window": None, "attention_chunk_size": 20,
+                                     "layer_types": ("chunked_attention",) * 3 + ("full_attention",)})
+    assert kv_cache_bytes(llama4, 1, 100, 2) == per_token_layer * (3 * 20 + 100)
 
 
 def test_unknown_family_gets_the_defaults():

@@ -94,7 +94,8 @@ def test_verify_reads_a_suggest_plan_and_keeps_the_json_contract(tmp_path, mempl
     (["--plan", "{missing}"], "cannot read"),
     (["--model", "bert-base", "--device", "cuda"], "no CUDA GPU"),
     (["--model", "bert-base", "--steps", "0"], "--steps"),
-    (["--model", "bert-base", "--task", "infer"], "training steps"),
+    (["--model", "bert-base", "--task", "infer", "--precision", "int8"], "not verified yet"),
+    (["--model", "t5-small", "--task", "infer", "--max-new-tokens", "4"], "no generate"),
 ])
 def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment, memplan_cli):
     if "--device" in args and torch.cuda.is_available():
@@ -225,3 +226,26 @@ def test_an_8bit_optimizer_traces_on_fake_tensors():
         fake = setup(TINY_LLAMA, "causal-lm", w, "meta")[2]
     assert isinstance(fake, AdamW8bitReplica)
     assert type(setup(TINY_LLAMA, "causal-lm", w, "cpu")[2]).__module__.startswith("bitsandbytes")
+
+
+@pytest.mark.parametrize("args", [
+    dict(precision="bf16-pure", max_new_tokens=8, attn="sdpa"),  # prefill peak, rotary, GQA
+    dict(precision="bf16", max_new_tokens=4, attn="eager"),  # autocast: fp32 keys, the layers' casts first
+    dict(precision="bf16-pure", max_new_tokens=0, attn="sdpa"),  # scoring: every position's logits, no fp32 copy
+])
+def test_verify_inference_on_fake_tensors(args):
+    """verify --task infer runs the prefill and the decode steps under fake tensors, and the estimate's
+    moments (estimator/inference.py) hold within 1 % of the traced peak on a 2-layer decoder."""
+    from memplan.verify.run import run
+
+    rep = run(model=str(ROOT / "benchmarks/accuracy/configs/qwen3-small.json"), gpu="a100-80g", device="fake",
+              task="infer", micro_batch=2, seq_len=256, **args)
+    assert set(rep.phases) >= ({"prefill", "decode"} if args["max_new_tokens"] else {"prefill"})
+    assert abs(rep.meters[0].error_pct) < 1.0, rep.meters[0]
+
+
+def test_verify_inference_refuses_quantised_weights():
+    from memplan.errors import UserError
+
+    with pytest.raises(UserError, match="not verified yet"):
+        run(model="gpt2", gpu="a100-80g", device="fake", task="infer", precision="int4", micro_batch=1, seq_len=64)

@@ -269,18 +269,22 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
               "auto: cuda when there is a GPU, else fake")
 @click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps, at least 2: the "
               "estimate is the steady state, which the second step reaches (the first creates the optimizer state)")
+@click.option("--max-new-tokens", type=int, help="infer: tokens to generate (greedy) [default: 0, one scoring forward]")
+@click.option("--beams", type=int, help="infer: sequences per prompt [default: 1]")
 @method_options(search=False)
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
            tiled_mlp, as_json,
-           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps, tuning) -> None:
-    """Run the planned training step (random weights, synthetic batches) and compare with the estimate.
+           micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps, max_new_tokens, beams,
+           tuning) -> None:
+    """Run the planned training step or serving step (random weights, synthetic batches) and compare with the
+    estimate.
 
     Exit codes: 0 ran (see the verdicts), 2 bad input, 3 the real run ran out of GPU memory."""
     from memplan.verify.run import run
 
     given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
                  precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
-                 tiled_mlp=tiled_mlp, **tuning)
+                 tiled_mlp=tiled_mlp, max_new_tokens=max_new_tokens, beams=beams, **tuning)
     if optim_args:
         given["momentum"] = _momentum(optim_args)
     report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,

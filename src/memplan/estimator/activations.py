@@ -579,24 +579,63 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     )
 
 
-def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, attn: str, full_logits: bool) -> list[Tensors]:
-    """Live tensors while one layer runs under no_grad (nothing is saved): the residual, the norm
-    output, the larger of the attention and MLP intermediates, and the logits."""
+def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
+                          full_logits: bool, context: int = 0) -> dict[str, list[Tensors]]:
+    """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "head") over b
+    sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`, transformers 5.23
+    modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under autocast);
+    context: the keys each query attends to (a decode step's cache length; 0: the s tokens themselves).
+    - a layer's MLP: the residual stream held four times (the embedding output, which the model's forward
+      keeps in `inputs_embeds`; the layer's input, held by the layer loop until the layer returns; the
+      residual after attention; the norm output the MLP reads) and the MLP's intermediates (gated: act(gate),
+      up and their product; plain: the up projection and its activation);
+    - a layer's attention: the embedding output, the layer input and the norm output, q, k, v and the
+      attention output (eager: q, k and v at the query heads, the scores and their fp32 softmax);
+    with rotary models' cos and sin (1 x s x head_dim each, in the residual stream's dtype) and eager's masks.
+    At the head, after the base model's forward has returned (its locals are gone): the final norm output and
+    the logits, of every position when scoring, of the last one when generating (generate's
+    logits_to_keep=1, and its fp32 copy of them: generation/utils.py)."""
     if spec.arch == "vision":
         s = spec.seq_positions
-    h, a, k, d, f, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, b * s
-    base = [Tensors("residual, norm output", p * h * T, 2)]
-    attn_ts = [Tensors("q, k, v", p * d * T * (a + 2 * k))]
+    h, a, k, d, T = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, b * s
+    stream = lambda n, what: [Tensors(what, r * h * T, n)]  # noqa: E731
+    # an encoder's layers are post-norm (BertLayer: the attention's LayerNorm output is the MLP input), so no
+    # norm output precedes the attention and none beside the MLP's input
+    post_norm = spec.arch == "encoder"
+    rope = [Tensors("rotary cos, sin", r * s * d, 2)] if spec.position == "rotary" else []
+    f, f_tok = spec.intermediate_size, T
+    if spec.is_moe:
+        f, f_tok = spec.expert_width, T * spec.experts_per_token
+    mlp = stream(3 if post_norm else 4, "embedding output, layer input, (residual after attention,) MLP input") + [
+        Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
+    att = stream(2 if post_norm else 3, "embedding output, layer input, (norm output)")
+    # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32, and
+    # the cache's torch.cat promotes v to k's dtype (inference.py, kv_b)
+    qkv = r if spec.position == "rotary" else p
     if attn == "eager":
-        attn_ts.append(Tensors("scores, probs", FP32 * b * a * s * s, 2))
+        # repeat_kv's copies of k and v at every query head; the scaled scores (plus a decoder's float mask, in
+        # the residual stream's dtype, so promoted to it) beside the softmax output: fp32 where the family, an
+        # fp32 model or autocast computes it in fp32, after an fp32 copy of a half input (traced)
+        kv_heads, s_kv = (a if a != k else k), context or s
+        m = r if spec.arch == "decoder" else p
+        fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
+        sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
+        att += [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", qkv * kv_heads * d * b * s_kv, 2),
+                Tensors("masked scores, softmax (and its fp32 input copy)", (m + sm) * b * a * s * s_kv)]
     else:
-        attn_ts.append(Tensors("attention output", p * a * d * T))
-    f_tok = T * (spec.experts_per_token if spec.is_moe else 1)
-    mlp_ts = [Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
-    work = base + (attn_ts if total(attn_ts) > total(mlp_ts) else mlp_ts)
-    V = spec.vocab_size
+        att += [Tensors("q, k, v", qkv * d * T * (a + 2 * k)), Tensors("attention output", p * a * d * T)]
+    if attn == "eager" and spec.arch == "decoder":
+        # transformers 5.23 masking_utils: eager gets the causal mask as a float (b, 1, s, s) tensor in the
+        # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
+        # flash take is_causal instead)
+        rope = rope + [Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types))))]
+    head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
-        work.append(Tensors("logits", p * n_tok * V))
-        work.append(Tensors("logits fp32", FP32 * n_tok * V))
-    return work
+        head.append(Tensors("logits", p * n_tok * spec.vocab_size))
+        if not full_logits:
+            head.append(Tensors("logits fp32 (generate)", FP32 * n_tok * spec.vocab_size))
+    if spec.arch == "vision":  # the images stay alive through the forward, in the weights' dtype
+        pixels = [Tensors("pixel values", r * b * spec.num_channels * spec.image_size ** 2)]
+        rope, head = rope + pixels, head + pixels
+    return {"mlp": rope + mlp, "attention": rope + att, "head": head}

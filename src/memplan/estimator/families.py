@@ -54,9 +54,6 @@ class Family:
     # so the normalised tensor it saves for the weight's gradient is fp32 whatever the input (LlamaRMSNorm casts
     # first: weight * x.to(input_dtype) saves it in the input's dtype)
     norm_weight_fp32: bool = False
-    # Every n-th layer keeps a sliding-window KV cache (transformers' DynamicSlidingWindowLayer); 1: all
-    # layers slide when the config has a window (mistral v0.1).
-    sliding_every: int = 1
     # When SDPA gets a materialised attention mask rather than is_causal: "always" (FalconModel.forward calls
     # create_causal_mask with allow_is_causal_skip=False), "window" (Starcoder2Model: the sliding-window mask, once
     # the window is shorter than the keys: masking_utils' sdpa_mask skips only a mask that masks nothing more than
@@ -172,7 +169,7 @@ FAMILIES: dict[str, Family] = {
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
     # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
     # (no memplan attention)
-    "gemma2": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, sliding_every=2, attn_unsupported=("sdpa",),
+    "gemma2": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, attn_unsupported=("sdpa",),
                      fused_loss_causal_base="model", tiled_mlp=True),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),

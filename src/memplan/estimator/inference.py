@@ -3,10 +3,9 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.estimator.activations import inference_working_set
+from memplan.estimator.activations import Tensors, inference_working_set, total
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
-from memplan.estimator.families import family
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
 from memplan.estimator.states import autocast_copies, by_shape, rounded
@@ -16,17 +15,27 @@ from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 
 
-def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int) -> int:
-    """2 (k and v) * layers * sequences * length * kv_heads * head_dim * bytes; sliding-window layers
-    keep at most the window (transformers' DynamicSlidingWindowLayer)."""
-    per_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
+    """Each cached layer's window: the keys a sliding-window layer keeps (sliding_window), or a chunked one
+    (Llama 4's attention_chunk_size: transformers caches it as a sliding window, cache_utils.py
+    LAYER_TYPE_MAPPING); None for a full-attention layer. Without config.layer_types transformers infers them
+    from the config: every layer slides when there is a window (cache_utils.py get_layer_types_and_kwargs)."""
     layers = spec.num_decoder_layers if spec.arch == "encoder-decoder" else spec.num_layers
-    window = spec.sliding_window
-    if window and length > window:
-        # gemma2 alternates sliding and global layers; mistral v0.1 slides on every layer
-        sliding = layers // family(spec.model_type).sliding_every
-        return per_token * sequences * (sliding * window + (layers - sliding) * length)
-    return per_token * sequences * layers * length
+    types = spec.layer_types or (("sliding_attention" if spec.sliding_window else
+                                  "chunked_attention" if spec.attention_chunk_size else "full_attention"),) * layers
+    window = {"sliding_attention": spec.sliding_window, "chunked_attention": spec.attention_chunk_size}
+    return tuple(window.get(t) for t in types)
+
+
+def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, prefill: bool = False) -> int:
+    """2 (k and v) * sequences * kv_heads * head_dim * bytes * the tokens each layer's storage holds after a
+    step over `length` tokens of context. transformers 5.23 DynamicCache (cache_utils.py): a full layer holds
+    every token; a sliding layer (DynamicSlidingWindowLayer.update) keeps a view of the last window - 1 tokens
+    of torch.cat(old, new), so its storage is the cat's: after a decode step min(length, window) tokens, but
+    after the prefill (`prefill`) the whole prompt, until the first decode step replaces it."""
+    per_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    tokens = sum(length if (w is None or prefill) else min(length, w) for w in layer_windows(spec))
+    return per_token * sequences * tokens
 
 
 def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
@@ -36,31 +45,56 @@ def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
 
 
 def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
+    """The largest of three moments (docs/estimator.md, "Inference"): inside the prefill's last layer (the
+    layers' autocast copies cast, the head's not yet), at the prefill's head, and the last decode step."""
     fmt = WEIGHT_FORMATS[w.precision]
-    p = FP32 if fmt.compute == "fp32" else HALF
+    autocast = w.precision in ("fp16", "bf16")
+    p = FP32 if fmt.compute == "fp32" else HALF  # matmul outputs
+    r = FP32 if fmt.compute == "fp32" or autocast else HALF  # the residual stream: the fp32 weights' under autocast
+    # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
+    # under autocast k is fp32, and DynamicLayer.lazy_initialization starts both caches in k's dtype: the
+    # torch.cat with them promotes v too (traced)
+    kv_b = r if spec.position == "rotary" else p
     notes: list[str] = []
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g))
-    autocast = w.precision in ("fp16", "bf16")
     tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
-    cache = autocast_copies(list(spec.params), tied)[0] if autocast else 0
+    cache, cache_head, cache_mlp = autocast_copies(list(spec.params), tied) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
-    kv = kv_cache_bytes(spec, seqs, w.seq_len + w.max_new_tokens, p) if generate else 0
-    kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, p) if generate else 0
-    work_ts = inference_working_set(spec, seqs, w.seq_len, p, w.attn, full_logits=not generate)
-    work = sum(round_block(t.nbytes) * t.count for t in work_ts)
-    kv_grow = 0
-    if generate:  # DynamicCache grows by torch.cat: one layer's old and new k, v live together
-        kv_grow = kv // max(spec.num_layers, 1)
-        notes.append(f"KV cache for {seqs} sequences x {w.seq_len + w.max_new_tokens} tokens")
-    phases = {"prefill": weights + cache + kv_prompt + work, "decode": weights + cache + kv + kv_grow}
-    peak_phase = max(phases, key=lambda k: phases[k])
-    parts = {"weights": weights, "autocast_cache": cache, "kv_cache": kv_prompt if peak_phase == "prefill" else kv,
-             "transient": work if peak_phase == "prefill" else kv_grow}
+    ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate)
+    kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True) if generate else 0
+    # the last layer's attention runs before its MLP's weights are cast
+    last_mlp = cache_mlp // max(spec.total_layers, 1)
+    moments = {"prefill": (cache - cache_head, kv_prompt, ws["mlp"]),
+               "prefill attention": (cache - cache_head - last_mlp, kv_prompt, ws["attention"]),
+               "prefill head": (cache, kv_prompt, ws["head"])}
+    if generate:
+        length = w.seq_len + w.max_new_tokens
+        kv_end = kv_cache_bytes(spec, seqs, length, kv_b)
+        # the last decode step, or the first (sliding layers still hold the prompt): DynamicLayer.update's
+        # torch.cat makes a layer's old and new keys live together, then its old and new values
+        kv = max(kv_end, kv_prompt)
+        one_layer = spec.model_copy(update={"num_layers": 1, "num_decoder_layers": 0, "layer_types": ()})
+        grow = kv_cache_bytes(one_layer, seqs, length, kv_b) // 2
+        step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length)
+        cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
+        moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
+        notes.append(f"KV cache for {seqs} sequences x {length} tokens")
+    sums = {k: weights + c + kv + _rounded_total(ts) for k, (c, kv, ts) in moments.items()}
+    peak_moment = max(sums, key=lambda k: sums[k])
+    c, kv, work_ts = moments[peak_moment]
+    peak_phase = "decode" if peak_moment == "decode" else "prefill"
+    phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | (
+        {"decode": sums["decode"]} if generate else {})
+    parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, g), g.count) for g in by_shape(spec.params)])
-    act_segments = segments_of([(t.nbytes, t.count) for t in work_ts] if peak_phase == "prefill" else [])
+    act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])
     allocated, reserved, used = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total,
                 parts["transient"], parts["weights"] + parts["kv_cache"])
+
+
+def _rounded_total(ts: list[Tensors]) -> int:
+    return sum(round_block(t.nbytes) * t.count for t in ts)

@@ -26,6 +26,7 @@ from memplan.estimator.breakdown import MemoryBreakdown
 from memplan.estimator.rules import PRECISIONS
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
+from memplan.verify.infer import run_cuda_infer, run_traced_infer
 
 OOM_EXIT = 3  # `memplan verify` exit code when the real run ran out of GPU memory (docs/verify.md)
 TOLERANCE = {"ok": 5.0, "close": 10.0}  # |error| % -> verdict; above: "off"
@@ -192,24 +193,36 @@ def _half(w: Workload):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[prec.half] if prec.autocast else None
 
 
+def build(config, head: str | None, attn: str, device: str, dtype):
+    """(model, head): the model of `head` with random weights (seed 0) in `dtype` on `device`; "meta" builds on
+    the meta device and materialises empty tensors of the active mode (FakeTensors)."""
+    import torch
+
+    from memplan.inputs.hf import build_model
+    from memplan.verify import methods
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model, head = build_model(config, head, attn, half_weights=dtype != torch.float32)
+    if device == "meta":
+        methods.materialize_meta(model, dtype)
+    elif next(model.parameters()).dtype != dtype:
+        model.to(dtype)
+    return model, head
+
+
 def setup(config, head: str | None, w: Workload, device: str, spec: ModelSpec | None = None):
     """(model, head, optimizer, input dtype) for the plan, built on `device` with random weights; "meta"
     builds on the meta device and materialises empty tensors of the active mode (FakeTensors). `spec`: the
     model's, as run() resolved it; None reads it off the built model (callers with a config only)."""
     import torch
 
-    from memplan.inputs.hf import build_model, spec_from_config
+    from memplan.inputs.hf import spec_from_config
     from memplan.verify import methods
     from memplan.verify.optimizers import build_optimizer
 
     dtype = methods.load_dtype(w)  # the fine-tuning method's load dtype (docs/finetune.md)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model, head = build_model(config, head, w.attn, half_weights=dtype != torch.float32)
-    if device == "meta":
-        methods.materialize_meta(model, dtype)
-    elif next(model.parameters()).dtype != dtype:
-        model.to(dtype)
+    model, head = build(config, head, w.attn, device, dtype)
     if w.method == "qlora":
         methods.quantise(model, w)
         methods.prepare_kbit(model, w)
@@ -290,7 +303,7 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
             times = train_steps(model, lambda: make_batch(model, head, w.micro_batch, w.seq_len, dtype, "cuda"),
                                 optimizer, w, steps + 1, autocast=autocast, on_phase=on_phase)
         out = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
-               "device_used": _nvml_used(), "times": times[1:]}
+               "device_used": nvml_used(), "times": times[1:]}
     except torch.cuda.OutOfMemoryError as e:
         allocated = torch.cuda.memory_allocated()
         model = optimizer = None
@@ -305,7 +318,7 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
     return out
 
 
-def _nvml_used() -> int:
+def nvml_used() -> int:
     import pynvml
     import torch
 
@@ -323,7 +336,9 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
     ws = est.breakdown.get("workspace", 0)
     # The tracer sees tensors, not the cuBLAS workspace: fake / cpu compare the estimate's tensor part.
     predicted_tensors = est.peak_allocated_bytes - ws
-    tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)
+    tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)  # a training step's
+    if w.task == "infer":  # a decode forward's new tokens, or the scoring forward's
+        tokens = w.micro_batch * w.beams * (1 if w.max_new_tokens else w.seq_len)
     if device == "cuda":
         meters = [check("peak_allocated", est.peak_allocated_bytes, run["allocated"], "measured"),
                   check("peak_reserved", est.peak_reserved_bytes, run["reserved"], "measured"),
@@ -448,8 +463,6 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         gpu, item = defaults.verify_gpu(device)
         said.append(item)
     work.update({k: v for k, v in given.items() if v is not None})
-    if work.get("task", "train") != "train":
-        raise UserError("verify runs training steps; --task infer is not verified yet")
     spec, prof = api.resolve_spec(model, head, trust_remote_code), api.resolve_gpu(gpu)
     est = api.estimate(spec, prof, **work)
     w = est.workload
@@ -464,11 +477,14 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     try:
         t0 = time.perf_counter()
         bar(0, "building the model")
-        if device == "cuda":
+        if w.task == "infer":
+            result = run_cuda_infer(config, head, w) if device == "cuda" else \
+                run_traced_infer(config, head, w, prof.compute_capability, device, on_phase=bar)
+        elif device == "cuda":
             result = run_cuda(config, head, w, steps, on_phase=bar, spec=spec)
-            result["seconds"] = time.perf_counter() - t0
         else:
             result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar, spec=spec)
+        result.setdefault("seconds", time.perf_counter() - t0)
     finally:
         bar.close()
     report = compare(est, device, result, w, steps, prof.cuda_context_bytes, note)
