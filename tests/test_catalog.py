@@ -56,10 +56,21 @@ def test_qwen3_and_olmo2_counts_match_their_model_cards():
     assert "model.layers.*.input_layernorm" not in o2 and "model.layers.*.post_feedforward_layernorm" in o2
 
 
+def test_code_family_counts_match_their_model_cards():
+    """Anchors from outside the code: StarCoder2-15B's 15B (16B class, lm_head untied), OctoCoder's (StarCoder's)
+    15.5B and Falcon-7B's 7B (the hub's 7.2B counts the tied lm_head again); exact numbers from the meta model."""
+    for name, card, total in (("starcoder2-15b", 15.5e9, 15_957_889_024), ("octocoder", 15.5e9, 15_517_456_384),
+                              ("falcon-7b", 7.0e9, 6_921_720_704)):
+        spec = resolve_model(name)
+        assert spec.params_total == total and abs(total - card) / card < 0.04, name
+    assert resolve_model("octocoder").num_kv_heads == resolve_model("falcon-7b").num_kv_heads == 1  # multi-query
+    assert (resolve_model("starcoder2-15b").num_kv_heads, resolve_model("starcoder2-15b").sliding_window) == (4, 4096)
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
-    assert len(ENTRIES) == 42
+    assert len(ENTRIES) == 45  # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b (issue 16)
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

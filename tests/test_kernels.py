@@ -176,6 +176,15 @@ TINY = {
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2,
                         n_routed_experts=0, n_group=1, topk_group=1, vocab_size=97, max_position_embeddings=64),
+    # plain MLPs (c_fc / c_proj, dense_h_to_4h / dense_4h_to_h); GPT-BigCode and Falcon multi-query, Falcon's
+    # parallel attention on one LayerNorm; StarCoder 2 with its sliding window
+    "starcoder2": dict(model_type="starcoder2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                       sliding_window=8, bos_token_id=0, eos_token_id=0),
+    "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
+                        multi_query=True, bos_token_id=0, eos_token_id=0),
+    "falcon": dict(model_type="falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=97,
+                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0),
 }
 
 
@@ -214,10 +223,11 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks, m
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert model(input_ids=x).logits.shape == (2, 16, 97)  # inference is the original forward
-    assert set(gated) == ({"gpt2": set(), "gemma2": {"gelu_tanh"}}.get(family, {"silu"}))
+    plain = {"gpt2", "starcoder2", "gpt_bigcode", "falcon"}  # c_fc -> act -> c_proj: no gated_act
+    assert set(gated) == (set() if family in plain else {"gemma2": {"gelu_tanh"}}.get(family, {"silu"}))
     revert(model)
-    assert applied(model)["mlp"] == 0 and "forward" not in vars(model.model.layers[0].mlp if family != "gpt2"
-                                                                 else model.transformer.h[0].mlp)
+    first = model.transformer.h[0] if hasattr(model, "transformer") else model.model.layers[0]
+    assert applied(model)["mlp"] == 0 and "forward" not in vars(first.mlp)
     torch.testing.assert_close(model(input_ids=x, labels=labels).loss.detach(), base)
 
 
@@ -266,6 +276,13 @@ def test_unsupported_models_get_a_clear_message():
         "bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
     with pytest.raises(ValueError, match=r"the fused loss is for the causal LMs of (\w+, )+\w+"):
         apply(bert, mlp=False)  # a classifier has no LM head
+    # Falcon calls SDPA / its own eager code, StarCoder 2's sliding window is not a mask the tiled kernel takes
+    for model_type, cfg in (("falcon", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)),
+                            ("starcoder2", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                num_key_value_heads=1, intermediate_size=64, sliding_window=8))):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=50, **cfg))
+        with pytest.raises(ValueError, match=rf"tiled attention is for (\w+, )+\w+; not \w+ \({model_type}\)"):
+            apply(model, attention=True)
 
 
 @pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-pure"), dict(precision="bf16"),

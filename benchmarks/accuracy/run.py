@@ -60,6 +60,9 @@ def label(case: dict) -> str:
     tuning = "" if method == "full" else (f" {method}" + (f" K={case.get('trainable_layers')}" if method == "freeze" else
                                                         f" r={case.get('lora_r', 8)} {','.join(case.get('lora_targets', ['default']))}"
                                                         f" {case.get('quant', '') if method == 'qlora' else ''}".rstrip()))
+    if case.get("task") == "infer":  # serving: no optimizer or checkpointing to name
+        return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
+                f"infer new={case.get('max_new_tokens', 0)}")
     return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
             f"{case['optim']} ckpt={case['grad_ckpt']}{tuning}")
 
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=str(HERE / "cases.json"))
     ap.add_argument("--fast", action="store_true", help="only the cases marked fast")
-    ap.add_argument("--only", help="only cases whose label contains this text")
+    ap.add_argument("--only", action="append", help="only cases whose label contains this text (repeatable: any of them)")
     ap.add_argument("--method", help="only cases of this fine-tuning method (full: results/accuracy.md)")
     ap.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     ap.add_argument("--gpu", help="GPU profile [default: the cases file's]")
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     spec = json.loads(Path(args.cases).read_text())
-    cases = [c for c in spec["cases"] if (not args.fast or c.get("fast")) and (not args.only or args.only in label(c))
+    cases = [c for c in spec["cases"] if (not args.fast or c.get("fast")) and (not args.only or any(o in label(c) for o in args.only))
              and (not args.method or c.get("method", "full") == args.method)]
     gpu = args.gpu or spec["gpu"]
     results = []

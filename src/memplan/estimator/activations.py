@@ -186,6 +186,7 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
         # The kernel's saved output is laid out (b, s, heads, d), so transpose(1, 2).contiguous() is a
         # view and the o_proj input below is the same storage: counted once, as the context (traced).
         out += [Tensors("core: logsumexp", FP32 * b * a * s_q, kind=TensorKind.CORE)]
+        out += _sdpa_mask_terms(spec, b, s_q, s_kv, p)
         if spec.position == "relative" and prec.autocast:
             # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
             # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
@@ -251,6 +252,28 @@ def _mla_attention(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, 
     out.append(Tensors("context (o_proj input)", p * a * dv * T,
                        kind=TensorKind.WEIGHT_INPUT if attn == "eager" else TensorKind.OTHER))
     return [t for t in out if not is_core(t)] if selective else out
+
+
+def sdpa_masked(spec: ModelSpec, s_kv: int) -> bool:
+    """Whether SDPA gets a materialised mask instead of is_causal (families.Family.sdpa_mask)."""
+    rule = family(spec.model_type).sdpa_mask
+    window = spec.sliding_window
+    return rule == "always" or (rule == "window" and window is not None and window < s_kv)
+
+
+def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int) -> list[Tensors]:
+    """What a materialised mask adds to an SDPA layer: the additive mask the memory-efficient kernel saves
+    (b x 1 x s_q x s_kv in the query's dtype, made from the boolean mask by each call: torch's
+    convert_boolean_attn_mask) and, where the kv heads are fewer, k and v repeated to every head before the
+    kernel (transformers 5.23 integrations/sdpa_attention.py repeat_kv; FalconAttention's multi-query k, v, which
+    the memory-efficient kernel takes only at the query's heads), saved by the kernel (traced)."""
+    if not sdpa_masked(spec, s_kv):
+        return []
+    a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    out = [Tensors("core: SDPA additive mask (query dtype)", p * b * s_q * s_kv, kind=TensorKind.CORE)]
+    if a != k:
+        out.append(Tensors("core: k, v repeated to all heads", p * a * d * b * s_kv, 2, kind=TensorKind.CORE))
+    return out
 
 
 def query_is_view(prec: Precision) -> bool:
@@ -324,7 +347,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
            s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
     h, T, fam = spec.hidden_size, b * s, family(spec.model_type)
-    n_norms = fam.norms_per_layer or (3 if decoder else 2)
+    n_norms = spec.layer_norms or fam.norms_per_layer or (3 if decoder else 2)
     if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
         n_norms -= fam.tiled_mlp_norms
     out: list[Tensors] = []
@@ -344,7 +367,8 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
     elif tiled_mlp:
         # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
         # norm output, in the residual dtype)
-        out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
+        if not _mlp_reads_saved_qkv_input(spec, prec):
+            out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
     else:
         out += _mlp_block(spec, T, prec)
     return out
@@ -356,7 +380,16 @@ def _mlp_block(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     n_up = fam.gated_up_linears if spec.mlp == "gated" else 1
     if fam.parallel_residual:
         n_up = 1
-    return _linear_inputs(n_up, spec.hidden_size, T, prec, "mlp input") + _mlp(spec, T, prec)
+    inputs = [] if _mlp_reads_saved_qkv_input(spec, prec) else _linear_inputs(n_up, spec.hidden_size, T, prec,
+                                                                              "mlp input")
+    return inputs + _mlp(spec, T, prec)
+
+
+def _mlp_reads_saved_qkv_input(spec: ModelSpec, prec: Precision) -> bool:
+    """Falcon's parallel layer with one LayerNorm: the MLP reads the attention's norm output (transformers 5.23
+    models/falcon/modeling_falcon.py FalconDecoderLayer: mlp_layernorm_out = attention_layernorm_out), already
+    saved as the qkv input, unless autocast casts it for each linear."""
+    return spec.layer_norms == 1 and not (prec.autocast and prec.residual != HALF)
 
 
 def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:

@@ -54,6 +54,13 @@ class Family:
     # so the normalised tensor it saves for the weight's gradient is fp32 whatever the input (LlamaRMSNorm casts
     # first: weight * x.to(input_dtype) saves it in the input's dtype)
     norm_weight_fp32: bool = False
+    # When SDPA gets a materialised attention mask rather than is_causal: "always" (FalconModel.forward calls
+    # create_causal_mask with allow_is_causal_skip=False), "window" (Starcoder2Model: the sliding-window mask, once
+    # the window is shorter than the keys: masking_utils' sdpa_mask skips only a mask that masks nothing more than
+    # causality); None: never (is_causal). With a mask, transformers' sdpa_attention_forward repeats k, v to every
+    # head (use_gqa_in_sdpa: attention_mask is None) and torch's SDPA turns the boolean mask into an additive one
+    # in the query's dtype, which the memory-efficient kernel saves (verify/cudasim.py, CudaSemantics._sdpa).
+    sdpa_mask: str | None = None
 
     # -- what memplan and transformers can run -------------------------------------------------------------
     # attention implementations transformers lacks (`_supports_sdpa` / `_supports_flash_attn`); eager exists
@@ -111,6 +118,33 @@ FAMILIES: dict[str, Family] = {
     # GPTNeoXAttention.query_key_value; GPTNeoXLayer: use_parallel_residual
     "gpt_neox": Family(**_DECODER, lora_targets=("query_key_value",), position="rotary", softmax_fp32=True,
                        qkv_linears=1, parallel_residual=True),
+    # -- code families (issue 16) ----------------------------------------------------------------------------
+    # Starcoder2DecoderLayer: LayerNorm (with bias) before attention and MLP, q/k/v/o_proj with bias (use_bias),
+    # Starcoder2MLP c_fc -> gelu_pytorch_tanh -> c_proj, residual_dropout after o_proj and after the MLP,
+    # embedding_dropout after the embeddings; attention through ALL_ATTENTION_FUNCTIONS with the config's
+    # sliding_window (every layer); eager_attention_forward up-casts the softmax. No memplan attention: its
+    # sliding-window mask function is not one kernels/attention.py hf_mask tiles, so the tiled attention would
+    # run its eager fallback on every StarCoder 2 (all set a window). PEFT has no default LoRA targets for it
+    # (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no starcoder2 entry)
+    "starcoder2": Family(**_DECODER, position="rotary", softmax_fp32=True, sdpa_mask="window",
+                         fused_loss_causal_base="model", tiled_mlp=True),
+    # GPTBigCodeAttention: one c_attn Linear gives q (h) and, under multi_query, one k and one v head
+    # (2 * head_dim; hf._kv_fields: 1 kv head), split as views of its output (the query a view of it: the
+    # whole output stays alive beside the cache's k, v copies); learned positions (wpe); GPTBigCodeMLP
+    # c_fc -> gelu_pytorch_tanh -> c_proj (n_inner None: 4h); attention through ALL_ATTENTION_FUNCTIONS, whose
+    # eager_attention_forward always up-casts the softmax (the config's attention_softmax_in_fp32 /
+    # scale_attention_softmax_in_fp32 are read into the module but no 5.23 code path uses them)
+    "gpt_bigcode": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
+                          query_views_fused_qkv=True, softmax_fp32=True, fused_loss_causal_base="transformer",
+                          tiled_mlp=True, memplan_attention=True),
+    # FalconDecoderLayer (falcon-7b: parallel_attn, one input_layernorm shared by attention and MLP;
+    # new_decoder_architecture: ln_attn and ln_mlp, both on the residual; neither: input and post-attention
+    # LayerNorms in sequence: hf._kv_fields gives the norms per layer); FalconAttention calls SDPA or its own
+    # eager code directly (not ALL_ATTENTION_FUNCTIONS: no memplan attention, no selective checkpointing);
+    # its eager softmax runs in the hidden states' dtype (no up-cast); fused query_key_value; FalconMLP
+    # dense_h_to_4h -> gelu -> dense_4h_to_h. PEFT: query_key_value
+    "falcon": Family(arch="decoder", lora_targets=("query_key_value",), position="rotary", qkv_linears=1, sdpa_mask="always",
+                     parallel_residual=True, fused_loss_causal_base="transformer", tiled_mlp=True),
     # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
     "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative",
                  gated_act_prefix="gated-", softmax_fp32=True, mlp_inner_dropout=True, attn_unsupported=("flash",),

@@ -37,10 +37,11 @@ DEFAULT_NUM_LABELS = 2
 
 # Parameter name -> category; first match wins (norms before attention: "attention.output.LayerNorm").
 # DistilBERT's `pre_classifier` is head; OPT's `project_in/out` (word_embed_proj_dim <-> hidden) belong to the
-# embeddings; transformers 5 names the Mixtral/Qwen-MoE router `mlp.gate` (not `mlp.gate_proj`).
+# embeddings; transformers 5 names the Mixtral/Qwen-MoE router `mlp.gate` (not `mlp.gate_proj`); Falcon's
+# new_decoder_architecture names its LayerNorms ln_attn / ln_mlp (before `attn` makes them attention).
 CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)(lm_head|classifier|pre_classifier|score|pooler|qa_outputs|embed_out|cls)\.", "head"),
-    (r"(norm|ln_\d|ln_f|layernorm|layer_norm)", "norms"),
+    (r"(norm|ln_\d|ln_f|ln_attn|ln_mlp|layernorm|layer_norm)", "norms"),
     (r"(embed|wte|wpe|\.shared\.|^shared\.|patch_embeddings|cls_token|relative_attention_bias|project_in|project_out)",
      "embeddings"),
     (r"\.experts\.", "experts"),
@@ -261,7 +262,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
         num_channels=int(_get(cfg, "num_channels", default=0)) if vision else 0,
         sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
         final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
-    ) | _layer_fields(cfg) | _moe_fields(cfg) | _mla_fields(cfg)
+    ) | _layer_fields(cfg) | _moe_fields(cfg) | _mla_fields(cfg) | _kv_fields(cfg)
 
 
 def _layer_fields(cfg: Any) -> dict[str, Any]:
@@ -302,6 +303,29 @@ def _mla_fields(cfg: Any) -> dict[str, Any]:
     rope, nope = int(cfg.qk_rope_head_dim), int(cfg.qk_nope_head_dim)
     return dict(kv_lora_rank=int(kv_rank), q_lora_rank=int(_get(cfg, "q_lora_rank", default=0)),
                 qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=int(cfg.v_head_dim), head_dim=nope + rope)
+
+
+def _kv_fields(cfg: Any) -> dict[str, Any]:
+    """The code families' (issue 16) attention and layer facts that their configs name their own way
+    (transformers 5.23 models/{starcoder2,gpt_bigcode,falcon}). GPTBigCodeConfig sets num_key_value_heads itself
+    (1 under multi_query), which KV_HEADS reads. Starcoder2 calls its residual dropout residual_dropout.
+    Falcon: the heads its attention and KV cache hold (FalconAttention.forward: num_heads under
+    new_decoder_architecture, which broadcasts each kv head to its query group before the cache; 1 under
+    multi_query; else num_kv_heads), its LayerNorms per layer (FalconDecoderLayer: one input_layernorm under
+    parallel_attn without the new architecture, else two) and no attention-probability dropout with rotary
+    positions (FalconAttention passes dropout_p=0.0 to SDPA and applies none in its eager path)."""
+    out: dict[str, Any] = {}
+    if cfg.model_type == "starcoder2":
+        out["hidden_dropout"] = float(cfg.residual_dropout)
+    if cfg.model_type != "falcon":
+        return out
+    new = bool(cfg.new_decoder_architecture)
+    heads = cfg.num_attention_heads
+    out["num_kv_heads"] = heads if new else 1 if cfg.multi_query else int(cfg.num_kv_heads)
+    out["layer_norms"] = 1 if cfg.parallel_attn and not new else 2
+    if not cfg.alibi:
+        out["attention_dropout"] = 0.0
+    return out
 
 
 def meta_param_count(config: dict[str, Any], head: str) -> int:

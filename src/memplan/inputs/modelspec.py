@@ -147,6 +147,10 @@ class ModelSpec(Derived):
     qk_rope_head_dim: int = 0  # the rotary part of each query / key head (k's is one head shared by all)
     qk_nope_head_dim: int = 0  # the part of each query / key head without position
     v_head_dim: int = 0  # the value head width (0: head_dim)
+    # -- code families (issue 16: starcoder2, gpt_bigcode, falcon) ----------------------------------------
+    # LayerNorms per layer where the config decides it (Falcon: one input_layernorm shared by attention and MLP
+    # under parallel_attn, two otherwise); 0: the family's (families.Family.norms_per_layer)
+    layer_norms: int = 0
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).

@@ -164,12 +164,15 @@ def _use_tiled_attention(model: torch.nn.Module) -> str:
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError("memplan.kernels.apply(attention=True): the tiled attention has no logit soft-capping "
                          f"(config.attn_logit_softcapping = {config.attn_logit_softcapping})")
-    if not family(config.model_type).memplan_attention:
-        # MLA (deepseek_v3): queries and keys are qk_nope + qk_rope wide, values v_head_dim, and the tiled kernel
-        # takes one head_dim for q, k and v (kernels/attention.py)
+    fam = family(config.model_type)
+    if not fam.memplan_attention:
+        # e.g. Falcon calls SDPA or its own eager code, not the AttentionInterface "memplan" registers; MLA
+        # (deepseek_v3): queries and keys are qk_nope + qk_rope wide, values v_head_dim, and the tiled kernel takes
+        # one head_dim for q, k and v (kernels/attention.py)
         why = " (its values are narrower than its queries and keys)" if getattr(config, "kv_lora_rank", None) else ""
         raise ValueError(f"memplan.kernels.apply(attention=True): the tiled attention is for "
-                         f"{', '.join(model_types(lambda f: f.memplan_attention))}; not {config.model_type}{why}")
+                         f"{', '.join(model_types(lambda f: f.memplan_attention))}; not {type(model).__name__} "
+                         f"({config.model_type}){why}")
     previous = config._attn_implementation
     register()
     model.set_attn_implementation(NAME)
