@@ -68,7 +68,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     # torch.cat with them promotes v too (traced)
     kv_b = r if spec.position == "rotary" else p
     notes: list[str] = []
-    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g))
+    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g)) + round_block(spec.buffer_bytes)
     tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
     cache, cache_head, cache_mlp = autocast_copies(list(spec.params), tied) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams

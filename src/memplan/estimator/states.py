@@ -144,6 +144,19 @@ def layout_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[ParamG
 
 @lru_cache(maxsize=CACHE_SIZE)
 def stage_states(k: StatesKey) -> StageStates:
+    return _with_buffers(_stage_states(k), k.spec, k.stage)
+
+
+def _with_buffers(st: StageStates, spec: ModelSpec, stage: int) -> StageStates:
+    """The model's buffers (ModelSpec.buffer_bytes) beside the first stage's weights, in a segment of their own:
+    transformers registers them on the base model, and neither ZeRO nor FSDP shards buffers."""
+    if not spec.buffer_bytes or stage:
+        return st
+    return st._replace(weights=st.weights + round_block(spec.buffer_bytes),
+                       persistent_segments=st.persistent_segments + segments_of([(spec.buffer_bytes, 1)]))
+
+
+def _stage_states(k: StatesKey) -> StageStates:
     spec, prec = k.spec, train_precision(k)
     # a fine-tuning method runs without TP or PP, on the whole model (constraints.py): its own table
     groups = layout_params(spec, k.tp, k.pp, k.stage) if k.tuning.method == "full" else tuned_params(spec, k.tuning)

@@ -176,8 +176,9 @@ def spec_from_config(
     """Build the real model on the meta device and read its architecture and parameter table."""
     cfg, head = prepare_config(config, head, trust_remote_code)
     model = _meta_model(cfg, head, name, trust_remote_code)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return ModelSpec(name=name, hf_id=hf_id, model_type=cfg.model_type, head=head, params=_param_table(model),
-                     unquantised=_unquantised(model), **_architecture(cfg, head))
+                     unquantised=_unquantised(model), buffer_bytes=buffers, **_architecture(cfg, head))
 
 
 def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):

@@ -134,6 +134,10 @@ class ModelSpec(Derived):
     # Qwen3-MoE mlp_only_layers, Llama 4 layers outside moe_layers).
     dense_layers: int = 0
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
+    # The model's buffers, in bytes as transformers builds them (float ones in fp32; bool / int masks and ids as
+    # they are): GPT-BigCode's non-persistent n_positions^2 causal mask is 64 MiB on OctoCoder, the rest (rotary
+    # inv_freq, position ids) kilobytes. They sit beside the weights on the GPU (verify counts them as weights).
+    buffer_bytes: int = 0
     # Modules transformers leaves unquantised when it loads the model in 4 or 8 bit (the output embedding,
     # tied weights, the last parameter's module: transformers/quantizers/base.py get_keys_to_not_convert;
     # and the model's _keep_in_fp32_modules, e.g. T5's wo)
