@@ -249,3 +249,18 @@ def test_verify_inference_refuses_quantised_weights():
 
     with pytest.raises(UserError, match="not verified yet"):
         run(model="gpt2", gpu="a100-80g", device="fake", task="infer", precision="int4", micro_batch=1, seq_len=64)
+
+
+def test_static_kv_cache_is_allocated_up_front():
+    """--kv-cache static: StaticCache holds seq_len + max_new_tokens per layer from the prefill on, so the
+    prefill's KV cache is the whole length's (traced within 1 %); and it is refused without generation."""
+    from memplan.errors import UserError
+
+    rep = run(model=str(ROOT / "benchmarks/accuracy/configs/qwen3-small.json"), gpu="a100-80g", device="fake",
+              task="infer", micro_batch=2, seq_len=128, max_new_tokens=64, precision="bf16-pure", kv_cache="static")
+    dynamic = api.estimate(str(ROOT / "benchmarks/accuracy/configs/qwen3-small.json"), "a100-80g", task="infer",
+                           micro_batch=2, seq_len=128, max_new_tokens=64, precision="bf16-pure")
+    assert rep.estimate.breakdown["kv_cache"] == dynamic.breakdown["kv_cache"] * (128 + 64) // 128
+    assert abs(rep.meters[0].error_pct) < 1.0, rep.meters[0]
+    with pytest.raises(UserError, match="applies to generation"):
+        api.estimate("gpt2", "a100-80g", task="infer", precision="fp16", kv_cache="static")

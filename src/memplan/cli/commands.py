@@ -175,10 +175,13 @@ def cli() -> None:
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
 @click.option("--beams", type=int, default=1, show_default=True)
+@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="infer: generate's cache (static: StaticCache, allocated for the whole length up front)")
 @_parallel_options(search=False)
 @method_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-             kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, gpus, nodes,
+             kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, kv_cache,
+             gpus, nodes,
              zero, fsdp,
              offload, tp, pp, sp, vpp, cpu_mem, tuning) -> None:
     """Predict the memory of one configuration: breakdown and the three meters."""
@@ -187,7 +190,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
     est = api.estimate(model, gpu, head=head, trust_remote_code=trust_remote_code, cpu_mem=_cpu_mem(cpu_mem),
                        task=task, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                        precision=precision, optim=optim, momentum=_momentum(optim_args), grad_ckpt=grad_ckpt,
-                       attn=attn, max_new_tokens=max_new_tokens, beams=beams, zero_grad=zero_grad,
+                       attn=attn, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, zero_grad=zero_grad,
                        headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
                        **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp), **tuning)
     if as_json:
@@ -271,11 +274,12 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
               "estimate is the steady state, which the second step reaches (the first creates the optimizer state)")
 @click.option("--max-new-tokens", type=int, help="infer: tokens to generate (greedy) [default: 0, one scoring forward]")
 @click.option("--beams", type=int, help="infer: sequences per prompt [default: 1]")
+@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), help="infer: generate's cache [default: dynamic]")
 @method_options(search=False)
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
            tiled_mlp, as_json,
            micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps, max_new_tokens, beams,
-           tuning) -> None:
+           kv_cache, tuning) -> None:
     """Run the planned training step or serving step (random weights, synthetic batches) and compare with the
     estimate.
 
@@ -284,7 +288,7 @@ def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, 
 
     given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
                  precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
-                 tiled_mlp=tiled_mlp, max_new_tokens=max_new_tokens, beams=beams, **tuning)
+                 tiled_mlp=tiled_mlp, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, **tuning)
     if optim_args:
         given["momentum"] = _momentum(optim_args)
     report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,

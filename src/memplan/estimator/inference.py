@@ -57,8 +57,8 @@ def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
 
 
 def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
-    """The largest of three moments (docs/estimator.md, "Inference"): inside the prefill's last layer (the
-    layers' autocast copies cast, the head's not yet), at the prefill's head, and the last decode step."""
+    """The largest of the moments of a serving step (docs/estimator.md, "Inference"): inside the prefill's last
+    layer (the layers' autocast copies cast, the head's not yet), at the prefill's head, the last decode step."""
     fmt = WEIGHT_FORMATS[w.precision]
     autocast = w.precision in ("fp16", "bf16")
     p = FP32 if fmt.compute == "fp32" else HALF  # matmul outputs
@@ -74,7 +74,11 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
     ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate)
-    kv_prompt = kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True) if generate else 0
+    length, static = w.seq_len + w.max_new_tokens, w.kv_cache == "static"
+    # StaticCache allocates each layer's whole length (a sliding layer's window) at its first update
+    # (StaticLayer.lazy_initialization); DynamicCache holds the prompt
+    kv_prompt = 0 if not generate else kv_cache_bytes(spec, seqs, length, kv_b) if static else \
+        kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True)
     # the last layer's attention runs before its MLP's weights are cast, its gate * up before down_proj's
     last_mlp = cache_mlp // max(spec.total_layers, 1)
     last_down = last_mlp // (3 if spec.mlp == "gated" else 2)
@@ -85,17 +89,19 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
         last_kv = kv_prompt // max(len(layer_windows(spec)), 1)
         moments["prefill rotary"] = (cache - cache_head - last_mlp, kv_prompt - last_kv, ws["rotary"])
     if generate:
-        length = w.seq_len + w.max_new_tokens
         kv_end = kv_cache_bytes(spec, seqs, length, kv_b)
         # the last decode step, or the first (sliding layers still hold the prompt): DynamicLayer.update's
-        # torch.cat makes a layer's old and new keys live together, then its old and new values
+        # torch.cat makes a layer's old and new keys live together, then its old and new values. StaticCache
+        # writes in place (index_copy_), but a full sliding layer rolls its window through a torch.cat
+        # (StaticSlidingWindowLayer.update)
         kv = max(kv_end, kv_prompt)
-        one_layer = spec.model_copy(update={"num_layers": 1, "num_decoder_layers": 0, "layer_types": ()})
-        grow = kv_cache_bytes(one_layer, seqs, length, kv_b) // 2
+        windows = [x for x in layer_windows(spec) if x]
+        grow_tokens = (min(max(windows), length) if windows else 0) if static else length
+        grow = kv_bytes_per_token(spec, kv_b) * seqs * grow_tokens // 2
         step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length)
         cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
         moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
-        notes.append(f"KV cache for {seqs} sequences x {length} tokens")
+        notes.append(f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens")
     sums = {k: weights + c + kv + _rounded_total(ts) for k, (c, kv, ts) in moments.items()}
     peak_moment = max(sums, key=lambda k: sums[k])
     c, kv, work_ts = moments[peak_moment]

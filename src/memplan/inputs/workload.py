@@ -59,6 +59,10 @@ class Workload(BaseModel):
     attn: Literal["eager", "sdpa", "flash", "memplan"] = "sdpa"
     max_new_tokens: Annotated[int, bounded("max_new_tokens")] = 0
     beams: Annotated[int, bounded("beams")] = 1
+    # generate's KV cache (transformers 5.23 cache_utils.py): "dynamic" (DynamicCache, the default) grows by
+    # torch.cat; "static" (cache_implementation="static", StaticCache) allocates seq_len + max_new_tokens per
+    # full-attention layer and the window per sliding one before the first token
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
     # torch >= 2.0 optimizer.zero_grad() and HF Trainer's model.zero_grad() free the grads
     # (set_to_none=True); torch 1.x filled them with zeros, so they stayed allocated between steps.
     zero_grad: Literal["set-to-none", "zeros"] = "set-to-none"

@@ -54,7 +54,7 @@ def prompts(model, head: str, w: Workload, device: str, dtype) -> dict:
 def serve(model, inputs: dict, w: Workload, *, tracker=None, autocast=None) -> list[float]:
     """Prefill and greedy decode (or one scoring forward); the wall time of each forward."""
     import torch
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     def phase(name: str) -> None:
         if tracker is not None:
@@ -69,7 +69,8 @@ def serve(model, inputs: dict, w: Workload, *, tracker=None, autocast=None) -> l
             out = model(**inputs, **({"use_cache": False} if "input_ids" in inputs else {}))
             del out
             return [time.perf_counter() - t0]
-        cache = DynamicCache(config=model.config)
+        cache = StaticCache(config=model.config, max_cache_len=w.seq_len + w.max_new_tokens) \
+            if w.kv_cache == "static" else DynamicCache(config=model.config)
         logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1, :].to(dtype=torch.float32).argmax(dim=-1, keepdim=True)
         del logits
