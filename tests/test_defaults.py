@@ -157,3 +157,13 @@ def test_piped_tables_are_not_cut(memplan_cli):
     s = memplan_cli("suggest", "-m", "gpt2", "-g", "t4", "--seq-len", "256", "--precision", "any", "--optim", "any",
                     "--gpus", "2").stdout
     assert "…" not in s and "adamw_torch_fused" in s
+
+
+def test_models_lists_family_and_activation_method(memplan_cli):
+    """memplan models --json: each entry's family line (attention kind, windows, experts) and how its activations
+    are modelled (every catalog family has an analytic row)."""
+    rows = {m["name"]: m for m in json.loads(memplan_cli("models", "--json").stdout)["models"]}
+    assert rows["deepseek-v3"]["family"] == "decoder, MLA, MoE 256 x 8 + shared"
+    assert rows["octocoder"]["family"] == "decoder, MQA" and rows["llama-3.1-8b"]["family"] == "decoder, GQA 32/8"
+    assert "sliding window" in rows["gemma-2-2b"]["family"]
+    assert {m["activations"] for m in rows.values()} == {"analytic"}

@@ -327,21 +327,24 @@ def gpus(as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
 def models(as_json) -> None:
     """List the bundled model catalog (works offline)."""
+    from memplan.estimator.families import activation_method, describe
     from memplan.inputs.catalog import list_models
 
     entries = list_models()
     if as_json:
         _emit_json({"models": [{"name": e.name, "hf_id": e.hf_id, "aliases": e.aliases,
-                                "model_type": e.spec.model_type, "head": e.spec.head,
+                                "model_type": e.spec.model_type, "family": describe(e.spec),
+                                "activations": activation_method(e.spec), "head": e.spec.head,
                                 "params_total": e.spec.params_total} for e in entries]})
         return
     from rich.table import Table
 
     from memplan.cli.report import console
 
-    t = Table("name", "hub id", "type", "default head", "parameters")
+    t = Table("name", "hub id", "type", "family", "activations", "default head", "parameters")
     for e in entries:
-        t.add_row(e.name, e.hf_id or "", e.spec.model_type, e.spec.head, f"{e.spec.params_total:,}")
+        t.add_row(e.name, e.hf_id or "", e.spec.model_type, describe(e.spec), activation_method(e.spec), e.spec.head,
+                  f"{e.spec.params_total:,}")
     console().print(t)
 
 

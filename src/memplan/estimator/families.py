@@ -231,3 +231,24 @@ def fused_loss_base(spec: ModelSpec) -> str | None:
 
 def fused_loss_supported(spec: ModelSpec) -> bool:
     return fused_loss_base(spec) is not None
+
+
+def activation_method(spec: ModelSpec) -> str:
+    """How the estimator models this model's activations: "analytic" (a row of FAMILIES) or "traced"
+    (coefficients fitted to a trace of the real transformers model: docs/estimator.md)."""
+    return "analytic" if family(spec.model_type).arch else "traced"
+
+
+def describe(spec: ModelSpec) -> str:
+    """One line on the architecture: arch, attention (MHA / GQA / MQA / MLA, sliding or chunked layers) and
+    experts, e.g. "decoder, GQA 32/8, MoE 128 x 8" (memplan models)."""
+    a, k = spec.num_heads, spec.num_kv_heads
+    attn = "MLA" if spec.kv_lora_rank else "MHA" if a == k else "MQA" if k == 1 else f"GQA {a}/{k}"
+    parts = [spec.arch, attn]
+    kinds = set(spec.layer_types) - {"full_attention"}
+    if kinds or spec.sliding_window:
+        parts.append("sliding window" if "chunked_attention" not in kinds else "chunked attention")
+    if spec.is_moe:
+        parts.append(f"MoE {spec.num_experts} x {spec.experts_per_token}"
+                     + (" + shared" if spec.shared_expert_intermediate_size else ""))
+    return ", ".join(parts)
