@@ -6,6 +6,7 @@ import pytest
 import memplan
 from memplan import api
 from memplan.errors import UserError
+from memplan.estimator.allocation import round_block
 from memplan.estimator.finetune import Tuning, stored_tensors, tuned_params
 from memplan.estimator.states import StatesKey, stage_states
 from memplan.inputs.workload import Workload
@@ -15,10 +16,13 @@ BASE = dict(micro_batch=1, seq_len=512, precision="bf16", gpus=N)
 
 
 def states(model: str, **kw):
-    """(the GPU's model states, the method's parameter table) for a workload."""
+    """(the GPU's model states less the model's buffers, the method's parameter table) for a workload: the
+    buffers (llama's rotary inv_freq, one 512-byte block) sit beside the weights unsharded (states._with_buffers)."""
     spec = memplan.resolve_model(model)
     w = Workload(**{**BASE, **kw})
-    return stage_states(StatesKey.of(spec, w, 0)), tuned_params(spec, Tuning.of(w)), spec
+    s = stage_states(StatesKey.of(spec, w, 0))
+    assert spec.buffer_bytes and s.weights > round_block(spec.buffer_bytes)
+    return s._replace(weights=s.weights - round_block(spec.buffer_bytes)), tuned_params(spec, Tuning.of(w)), spec
 
 
 def part(x: int) -> int:
