@@ -67,10 +67,20 @@ def test_code_family_counts_match_their_model_cards():
     assert (resolve_model("starcoder2-15b").num_kv_heads, resolve_model("starcoder2-15b").sliding_window) == (4, 4096)
 
 
+def test_2025_dense_counts_match_their_anchors():
+    """Llama 3.3 70B is Llama 3.1 70B's architecture; Mistral Small 3 has Mistral Small 3.2's published text
+    parameter count (23,572,403,200: the same text layout); Phi-4 is the model card's 14B (14.7B on the hub)."""
+    assert resolve_model("llama-3.3-70b").params_total == resolve_model("llama-3.1-70b").params_total
+    assert resolve_model("mistral-small-24b").params_total == 23_572_403_200
+    phi4 = resolve_model("phi-4")
+    assert phi4.params_total == 14_659_507_200 and (phi4.model_type, phi4.num_kv_heads) == ("phi3", 10)
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
-    assert len(ENTRIES) == 45  # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b (issue 16)
+    # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b (issue 16)
+    assert len(ENTRIES) == 48
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 
