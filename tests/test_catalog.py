@@ -76,11 +76,21 @@ def test_2025_dense_counts_match_their_anchors():
     assert phi4.params_total == 14_659_507_200 and (phi4.model_type, phi4.num_kv_heads) == ("phi3", 10)
 
 
+def test_gemma3_counts_and_layer_types():
+    """Gemma 3's text models (the vision tower of 4B / 27B not counted): 1B, 3.9B and 27.0B of the model cards'
+    1B / 4B / 27B, every sixth layer global."""
+    for name, total in (("gemma-3-1b", 999_885_952), ("gemma-3-4b", 3_880_263_168), ("gemma-3-27b", 27_009_346_304)):
+        spec = resolve_model(name)
+        assert spec.params_total == total and spec.model_type == "gemma3_text", name
+        assert spec.layer_types.count("full_attention") == spec.num_layers // 6
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
-    # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b (issue 16)
-    assert len(ENTRIES) == 48
+    # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b,
+    # gemma-3-1b / 4b / 27b (issue 16)
+    assert len(ENTRIES) == 51
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

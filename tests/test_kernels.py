@@ -176,6 +176,11 @@ TINY = {
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2,
                         n_routed_experts=0, n_group=1, topk_group=1, vocab_size=97, max_position_embeddings=64),
+    # four norms, per-head q/k norms, a sliding and a full layer, scaled embeddings, a tied head
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                        max_position_embeddings=64, sliding_window=8, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"]),
     # plain MLPs (c_fc / c_proj, dense_h_to_4h / dense_4h_to_h); GPT-BigCode and Falcon multi-query, Falcon's
     # parallel attention on one LayerNorm; StarCoder 2 with its sliding window
     "starcoder2": dict(model_type="starcoder2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -220,11 +225,12 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, small_blocks, m
     torch.testing.assert_close(fused, base, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused_n, base_n, rtol=1e-6, atol=1e-6)
     for a, b in list(zip(fused_g, base_g)) + list(zip(fused_ng, base_ng)):
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        if b is not None:  # fp32 sums in another order: gemma3's tied, scaled embedding is 1.1e-7 off in 1 of 6208
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-7)
     assert model(input_ids=x).logits.shape == (2, 16, 97)  # inference is the original forward
     plain = {"gpt2", "starcoder2", "gpt_bigcode", "falcon"}  # c_fc -> act -> c_proj: no gated_act
-    assert set(gated) == (set() if family in plain else {"gemma2": {"gelu_tanh"}}.get(family, {"silu"}))
+    assert set(gated) == (set() if family in plain else {"gemma2": {"gelu_tanh"}, "gemma3_text": {"gelu_tanh"}}.get(
+        family, {"silu"}))
     revert(model)
     first = model.transformer.h[0] if hasattr(model, "transformer") else model.model.layers[0]
     assert applied(model)["mlp"] == 0 and "forward" not in vars(first.mlp)

@@ -270,9 +270,12 @@ def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int) -> li
     if not sdpa_masked(spec, s_kv):
         return []
     a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    out = [Tensors("core: SDPA additive mask (query dtype)", p * b * s_q * s_kv, kind=TensorKind.CORE)]
+    # where layer_types mix sliding and full layers (Gemma 3), only the sliding ones get the mask: the layer list
+    # is the layers' mean (the step multiplies it by the layer count), so these terms take the sliding share
+    share = spec.layer_types.count("sliding_attention") / len(spec.layer_types) if spec.layer_types else 1.0
+    out = [Tensors("core: SDPA additive mask (query dtype)", share * p * b * s_q * s_kv, kind=TensorKind.CORE)]
     if a != k:
-        out.append(Tensors("core: k, v repeated to all heads", p * a * d * b * s_kv, 2, kind=TensorKind.CORE))
+        out.append(Tensors("core: k, v repeated to all heads", share * p * a * d * b * s_kv, 2, kind=TensorKind.CORE))
     return out
 
 
@@ -659,7 +662,12 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     # norm output precedes the attention and none beside the MLP's input
     post_norm = spec.arch == "encoder"
     rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
-    around = [Tensors("rotary cos, sin", r * s * rope_dim, 2)] if spec.position == "rotary" else []
+    fam = family(spec.model_type)
+    around = [Tensors("rotary cos, sin", r * s * rope_dim, 2 * fam.rope_tables)] if spec.position == "rotary" else []
+    if attn != "eager" and spec.arch == "decoder" and sdpa_masked(spec, context or s):
+        # masking_utils builds the sliding-window (or Falcon's) mask once per forward as booleans, broadcast over
+        # the batch, and passes it to every layer's SDPA (traced: Gemma 3)
+        around.append(Tensors("SDPA boolean mask", s * (context or s)))
     if attn == "eager" and spec.arch == "decoder":
         # transformers 5.23 masking_utils: eager gets the causal mask as a float (b, 1, s, s) tensor in the
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and

@@ -61,6 +61,9 @@ class Family:
     # head (use_gqa_in_sdpa: attention_mask is None) and torch's SDPA turns the boolean mask into an additive one
     # in the query's dtype, which the memory-efficient kernel saves (verify/cudasim.py, CudaSemantics._sdpa).
     sdpa_mask: str | None = None
+    # cos / sin tables the model's forward computes once and holds through the layers: Gemma 3 has a global and a
+    # local rotary embedding (Gemma3TextModel: position embeddings per layer type, rope_local_base_freq)
+    rope_tables: int = 1
 
     # -- what memplan and transformers can run -------------------------------------------------------------
     # attention implementations transformers lacks (`_supports_sdpa` / `_supports_flash_attn`); eager exists
@@ -171,6 +174,12 @@ FAMILIES: dict[str, Family] = {
     # (no memplan attention)
     "gemma2": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, attn_unsupported=("sdpa",),
                      fused_loss_causal_base="model", tiled_mlp=True),
+    # Gemma3DecoderLayer: gemma2's four norms per layer, q_norm / k_norm over head_dim before RoPE
+    # (Gemma3RMSNorm multiplies by 1 + weight in fp32 before casting back), layer_types mixing sliding and full
+    # layers; no logit soft-capping in the released configs, SDPA and flash supported. memplan's tiled attention
+    # is left out: five of six layers slide, and a window sends it to its eager fallback (kernels/attention.py).
+    "gemma3_text": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, qk_norm="head", norm_weight_fp32=True,
+                          sdpa_mask="window", rope_tables=2, fused_loss_causal_base="model", tiled_mlp=True),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),
     # DeepseekV3Attention: multi-head latent attention (ModelSpec.is_mla; activations._mla_attention), RMSNorm,
