@@ -85,12 +85,21 @@ def test_gemma3_counts_and_layer_types():
         assert spec.layer_types.count("full_attention") == spec.num_layers // 6
 
 
+def test_qwen3_moe_counts_match_their_model_cards():
+    """Qwen3-30B-A3B's 30.5B and Qwen3-235B-A22B's 235B total: 128 fused experts a layer, 8 per token."""
+    for name, card, total in (("qwen3-30b-a3b", 30.5e9, 30_532_122_624), ("qwen3-235b-a22b", 235e9, 235_093_634_560)):
+        spec = resolve_model(name)
+        assert spec.params_total == total and abs(total - card) / card < 0.01, name
+        assert (spec.num_experts, spec.experts_per_token, spec.dense_layers) == (128, 8, 0)
+    assert resolve_model("qwen3-30b-a3b").expert_width == 768
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
     # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b,
-    # gemma-3-1b / 4b / 27b (issue 16)
-    assert len(ENTRIES) == 51
+    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b (issue 16)
+    assert len(ENTRIES) == 53
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

@@ -305,9 +305,9 @@ def is_log_softmax(t: Tensors) -> bool:
     return t.kind is TensorKind.LOG_SOFTMAX
 
 
-def _mlp(spec: ModelSpec, tokens: int, prec: Precision) -> list[Tensors]:
-    """Saved by the MLP after its input projection(s), for `tokens` tokens."""
-    f, p, h = spec.intermediate_size, prec.act, spec.hidden_size
+def _mlp(spec: ModelSpec, tokens: int, prec: Precision, width: int = 0) -> list[Tensors]:
+    """Saved by the MLP after its input projection(s), for `tokens` tokens, `width` wide (0: the dense MLP's)."""
+    f, p, h = width or spec.intermediate_size, prec.act, spec.hidden_size
     # what the activation function saves (its input, or the pieces of a Python-composed GELU)
     saves = [Tensors("act input / saved pieces", w * f * tokens)
              for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
@@ -342,9 +342,28 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
     if not prec.autocast:
         out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
-    out += _mlp(spec, routed, prec)
+    out += _mlp(spec, routed, prec, spec.expert_width)
     out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
+    if spec.shared_expert_intermediate_size:
+        # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
+        # (DeepseekV3MoE / Glm4MoeMoE shared_experts, Llama4TextMoe shared_expert)
+        n_up = family(spec.model_type).gated_up_linears if spec.mlp == "gated" else 1
+        out += _linear_inputs(n_up, h, T, prec, "shared expert input")
+        out += _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
     return out
+
+
+def _moe_layers(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """The MLP part of the mean layer of a MoE model: its routed layers' terms and, where the first layers (or
+    mlp_only_layers) are dense, theirs, each at its share of the layers (Tensors.nbytes may be fractional; the
+    step multiplies the mean layer by the layer count, so the total over the layers is exact; one layer's
+    recomputation under full checkpointing and a pipeline stage's share take the mean)."""
+    moe = _moe(spec, T, prec)
+    if not spec.dense_layers:
+        return moe
+    share = spec.moe_layers / spec.num_layers
+    return [replace(t, nbytes=t.nbytes * share) for t in moe] + [
+        replace(t, nbytes=t.nbytes * (1 - share)) for t in _mlp_block(spec, T, prec)]
 
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
@@ -366,7 +385,7 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _linear_inputs(1, h, T, prec, "cross q input")
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
     if spec.is_moe:
-        out += _moe(spec, T, prec)
+        out += _moe_layers(spec, T, prec)
     elif tiled_mlp:
         # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
         # norm output, in the residual dtype)
@@ -422,8 +441,8 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
     gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB, or
     the tiled MLP's recomputed chunk)."""
     T, p = b * s, prec.act
-    f_tokens = T * (spec.experts_per_token if spec.is_moe else 1)
-    mlp = [Tensors("mlp grad buffers", p * spec.intermediate_size * f_tokens, 2)]
+    f_tokens, f = (T * spec.experts_per_token, spec.expert_width) if spec.is_moe else (T, spec.intermediate_size)
+    mlp = [Tensors("mlp grad buffers", p * f * f_tokens, 2)]
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
@@ -674,10 +693,17 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
     f, f_tok = spec.intermediate_size, T
-    if spec.is_moe:
-        f, f_tok = spec.expert_width, T * spec.experts_per_token
+    # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
+    # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
+    # gate's output after the activation
+    fused_up = spec.is_moe or fam.gated_up_linears == 1
+    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else 2
     mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
-                   3 if post_norm else 4), Tensors("mlp intermediates", p * f * f_tok, 3 if spec.mlp == "gated" else 2)]
+                   3 if post_norm else 4)]
+    if spec.is_moe:  # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
+        f, f_tok = spec.expert_width, T * spec.experts_per_token
+        mlp.append(Tensors("tokens permuted to their experts", p * h * f_tok))
+    mlp.append(Tensors("mlp intermediates", p * f * f_tok, n_f))
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b

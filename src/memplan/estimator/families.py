@@ -161,6 +161,10 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
                                                            ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    # Qwen3MoeSparseMoeBlock: Mixtral's top-k softmax router (norm_topk_prob) over transformers 5's fused experts
+    # (Qwen3MoeExperts), experts moe_intermediate_size wide, dense layers at mlp_only_layers / decoder_sparse_step;
+    # qwen3's attention with per-head q/k norms. PEFT 0.21 has no default LoRA targets for qwen3_moe
+    "qwen3_moe": Family(**_ROTARY_GATED, qk_norm="head", fused_loss_causal_base="model", memplan_attention=True),
     # Qwen3Attention: q_norm / k_norm over head_dim before RoPE, no qkv bias; otherwise llama's layer
     "qwen3": Family(**_ROTARY_GATED, lora_targets=_QV, qk_norm="head", **_KERNELS),
     # Olmo2DecoderLayer: no input norm; post_attention_layernorm after the attention and post_feedforward_layernorm
