@@ -703,7 +703,14 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     if spec.is_moe:  # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
         f, f_tok = spec.expert_width, T * spec.experts_per_token
         mlp.append(Tensors("tokens permuted to their experts", p * h * f_tok))
+        # then the combine: the down projection's output, times the routing weights (fp32 where the router
+        # keeps them fp32), put back in token order, beside the permuted tokens (traced: DeepSeek-V3)
+        w = FP32 if fam.moe_router_fp32 else p
+        combine = mlp + [Tensors("expert outputs (down projection)", p * h * f_tok),
+                         Tensors("weighted expert outputs, unpermuted", w * h * f_tok, 2)]
     mlp.append(Tensors("mlp intermediates", p * f * f_tok, n_f))
+    if spec.is_moe:
+        mlp = max(mlp, combine, key=total)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b

@@ -64,6 +64,9 @@ class Family:
     # cos / sin tables the model's forward computes once and holds through the layers: Gemma 3 has a global and a
     # local rotary embedding (Gemma3TextModel: position embeddings per layer type, rope_local_base_freq)
     rope_tables: int = 1
+    # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits), so the weighted expert
+    # outputs are fp32; Mixtral's and Qwen3-MoE's cast them to the hidden dtype first
+    moe_router_fp32: bool = False
 
     # -- what memplan and transformers can run -------------------------------------------------------------
     # attention implementations transformers lacks (`_supports_sdpa` / `_supports_flash_attn`); eager exists
@@ -195,7 +198,7 @@ FAMILIES: dict[str, Family] = {
     # flash: transformers' flash_attention_2 pads v to the q / k width and crops the output
     # (integrations/flash_attention.py), which memplan does not model, and memplan's flash (SDPA's flash kernel)
     # needs one head width for q, k and v, so it is left out; SDPA runs the memory-efficient kernel.
-    "deepseek_v3": Family(**_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True,
+    "deepseek_v3": Family(moe_router_fp32=True, **_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True,
                           attn_unsupported=("flash",)),
     # ViTEmbeddings: patch projection, cls token, position embeddings, no LayerNorm
     "vit": Family(arch="vision", softmax_fp32=True, embedding_norm=False, selective=True),
