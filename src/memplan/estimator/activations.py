@@ -692,25 +692,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
-    f, f_tok = spec.intermediate_size, T
-    # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
-    # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
-    # gate's output after the activation
-    fused_up = spec.is_moe or fam.gated_up_linears == 1
-    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else 2
-    mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
-                   3 if post_norm else 4)]
-    if spec.is_moe:  # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
-        f, f_tok = spec.expert_width, T * spec.experts_per_token
-        mlp.append(Tensors("tokens permuted to their experts", p * h * f_tok))
-        # then the combine: the down projection's output, times the routing weights (fp32 where the router
-        # keeps them fp32), put back in token order, beside the permuted tokens (traced: DeepSeek-V3)
-        w = FP32 if fam.moe_router_fp32 else p
-        combine = mlp + [Tensors("expert outputs (down projection)", p * h * f_tok),
-                         Tensors("weighted expert outputs, unpermuted", w * h * f_tok, 2)]
-    mlp.append(Tensors("mlp intermediates", p * f * f_tok, n_f))
-    if spec.is_moe:
-        mlp = max(mlp, combine, key=total)
+    mlp = _inference_mlp(spec, T, p, r, post_norm)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
@@ -722,6 +704,31 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         around, head = around + pixels, head + pixels
     layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
     return {k: around + ts for k, ts in layer.items()} | {"head": head}
+
+
+def _inference_mlp(spec: ModelSpec, T: int, p: int, r: int, post_norm: bool) -> list[Tensors]:
+    """A layer's MLP under no_grad: the residual stream held four times (three post-norm) and the MLP's
+    intermediates; a MoE layer's permuted tokens and the larger of its gate_up and its combine moments."""
+    fam, h = family(spec.model_type), spec.hidden_size
+    f, f_tok = spec.intermediate_size, T
+    # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
+    # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
+    # gate's output after the activation
+    fused_up = spec.is_moe or fam.gated_up_linears == 1
+    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else 2
+    mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
+                   3 if post_norm else 4)]
+    if not spec.is_moe:
+        return mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
+    # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
+    f, f_tok = spec.expert_width, T * spec.experts_per_token
+    mlp.append(Tensors("tokens permuted to their experts", p * h * f_tok))
+    # then the combine: the down projection's output, times the routing weights (fp32 where the router keeps
+    # them fp32), put back in token order, beside the permuted tokens (traced: DeepSeek-V3)
+    w = FP32 if fam.moe_router_fp32 else p
+    combine = mlp + [Tensors("expert outputs (down projection)", p * h * f_tok),
+                     Tensors("weighted expert outputs, unpermuted", w * h * f_tok, 2)]
+    return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
 
 
 def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,
