@@ -72,6 +72,7 @@ def test_2025_dense_counts_match_their_anchors():
     parameter count (23,572,403,200: the same text layout); Phi-4 is the model card's 14B (14.7B on the hub)."""
     assert resolve_model("llama-3.3-70b").params_total == resolve_model("llama-3.1-70b").params_total
     assert resolve_model("mistral-small-24b").params_total == 23_572_403_200
+    assert resolve_model("smollm3-3b").params_total == 3_075_098_624  # the model card's 3B
     phi4 = resolve_model("phi-4")
     assert phi4.params_total == 14_659_507_200 and (phi4.model_type, phi4.num_kv_heads) == ("phi3", 10)
 
@@ -98,8 +99,8 @@ def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
     # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b,
-    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b (issue 16)
-    assert len(ENTRIES) == 53
+    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b, smollm3-3b (issue 16)
+    assert len(ENTRIES) == 54
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

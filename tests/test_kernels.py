@@ -181,6 +181,10 @@ TINY = {
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
                         max_position_embeddings=64, sliding_window=8, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention", "full_attention"]),
+    # llama's layer with RoPE off on its second layer (no_rope_layers)
+    "smollm3": dict(model_type="smollm3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                    no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # plain MLPs (c_fc / c_proj, dense_h_to_4h / dense_4h_to_h); GPT-BigCode and Falcon multi-query, Falcon's
     # parallel attention on one LayerNorm; StarCoder 2 with its sliding window
     "starcoder2": dict(model_type="starcoder2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

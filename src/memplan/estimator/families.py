@@ -164,6 +164,9 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
                                                            ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    # SmolLM3DecoderLayer: llama's layer; no_rope_layers turns RoPE off on every fourth layer, which changes no
+    # saved tensor (RoPE saves only the shared cos / sin). PEFT 0.21 has no default LoRA targets for smollm3
+    "smollm3": Family(**_ROTARY_GATED, **_KERNELS),
     # Qwen3MoeSparseMoeBlock: Mixtral's top-k softmax router (norm_topk_prob) over transformers 5's fused experts
     # (Qwen3MoeExperts), experts moe_intermediate_size wide, dense layers at mlp_only_layers / decoder_sparse_step;
     # qwen3's attention with per-head q/k norms. PEFT 0.21 has no default LoRA targets for qwen3_moe

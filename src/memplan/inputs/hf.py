@@ -189,8 +189,8 @@ def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):
     try:
         with torch.device("meta"):
             return auto.from_config(cfg, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        raise UserError(f"{name}: transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None
+    except (ValueError, AssertionError) as e:  # AssertionError: torch's own checks (nn.Embedding's padding_idx)
+        raise UserError(f"{name}: transformers cannot build head {head!r}: {_last_line(e)}") from None
 
 
 def _param_table(model) -> tuple[ParamGroup, ...]:
@@ -372,5 +372,5 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
         extra["experts_implementation"] = "eager"
     try:
         return auto.from_config(cfg, attn_implementation=impl, trust_remote_code=trust_remote_code, **extra), head
-    except ValueError as e:
-        raise UserError(f"transformers cannot build head {head!r}: {str(e).splitlines()[0]}") from None
+    except (ValueError, AssertionError) as e:
+        raise UserError(f"transformers cannot build head {head!r}: {_last_line(e)}") from None
