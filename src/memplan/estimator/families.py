@@ -164,6 +164,10 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
                                                            ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    # Glm4MoeMoE: DeepSeek-V3's MoE (sigmoid router in fp32 with group-limited top-k, a shared expert,
+    # first_k_dense_replace dense layers) under llama-style attention with partial rotary (and an optional per-head
+    # q/k norm, off in GLM-4.5). PEFT 0.21 has no default LoRA targets for glm4_moe
+    "glm4_moe": Family(**_ROTARY_GATED, moe_router_fp32=True, fused_loss_causal_base="model"),
     # SmolLM3DecoderLayer: llama's layer; no_rope_layers turns RoPE off on every fourth layer, which changes no
     # saved tensor (RoPE saves only the shared cos / sin). PEFT 0.21 has no default LoRA targets for smollm3
     "smollm3": Family(**_ROTARY_GATED, **_KERNELS),
