@@ -23,7 +23,7 @@ from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, fa
 from memplan.estimator.finetune import AdapterInput, LoraActs
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec
 from memplan.estimator.rules import (
-    FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
+    ACTIVATION_SAVES, FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
 )
 
 
@@ -692,7 +692,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
-    mlp = _inference_mlp(spec, T, p, r, post_norm)
+    mlp = _inference_mlp(spec, T, s, p, r, post_norm)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
@@ -706,7 +706,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     return {k: around + ts for k, ts in layer.items()} | {"head": head}
 
 
-def _inference_mlp(spec: ModelSpec, T: int, p: int, r: int, post_norm: bool) -> list[Tensors]:
+def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool) -> list[Tensors]:
     """A layer's MLP under no_grad: the residual stream held four times (three post-norm) and the MLP's
     intermediates; a MoE layer's permuted tokens and the larger of its gate_up and its combine moments."""
     fam, h = family(spec.model_type), spec.hidden_size
@@ -715,9 +715,14 @@ def _inference_mlp(spec: ModelSpec, T: int, p: int, r: int, post_norm: bool) -> 
     # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
     # gate's output after the activation
     fused_up = spec.is_moe or fam.gated_up_linears == 1
-    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else 2
+    # a Python-composed GELU (gelu_new: 0.5 * x * (1 + tanh(...))) holds the up projection and three of its
+    # pieces at once (traced: GPT-2); a native activation its output beside its input
+    composed = len(ACTIVATION_SAVES.get(spec.activation, ("act",))) > 1
+    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else (4 if composed else 2)
     mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
                    3 if post_norm else 4)]
+    if fam.block_keeps_attn_output:
+        mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
     if not spec.is_moe:
         return mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
     # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
@@ -731,6 +736,12 @@ def _inference_mlp(spec: ModelSpec, T: int, p: int, r: int, post_norm: bool) -> 
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
 
 
+def rotary_in_stream_dtype(spec: ModelSpec) -> bool:
+    """Whether RoPE runs in the residual stream's dtype (cos / sin cast to the hidden states': fp32 under
+    autocast), which makes q, k and the KV cache fp32 there; Falcon casts them to the value's instead."""
+    return spec.position == "rotary" and not family(spec.model_type).rope_in_value_dtype
+
+
 def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,
                          post_norm: bool) -> dict[str, list[Tensors]]:
     """A layer's attention under no_grad: the embedding output, the layer input and the norm output (no norm
@@ -740,7 +751,7 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     stream = [Tensors("embedding output, layer input, (norm output)", r * h * T, 2 if post_norm else 3)]
     # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32, and
     # the cache's torch.cat promotes v to k's dtype (inference.py, kv_b)
-    qkv = r if spec.position == "rotary" else p
+    qkv = r if rotary_in_stream_dtype(spec) else p
     if spec.is_mla:
         # multi-head latent attention decompresses the cached latent at every step (modeling_deepseek_v3.py):
         # the query at a * dq per new token; the key at a * dq and kv_b_proj's output (k_nope and v, which the
@@ -758,7 +769,9 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         m = r if spec.arch == "decoder" else p
         fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
         sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
-        core = [Tensors("masked scores, softmax (and its fp32 input copy)", (m + sm) * b * a * s * s_kv)]
+        own = family(spec.model_type).eager_score_tensors
+        width = own * qkv if own else m + sm
+        core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv)]
     else:
         core = [Tensors("attention output", p * a * d * T)]
     out = {"attention": stream + qkv_ts + core}

@@ -67,6 +67,19 @@ class Family:
     # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits), so the weighted expert
     # outputs are fp32; Mixtral's and Qwen3-MoE's cast them to the hidden dtype first
     moe_router_fp32: bool = False
+    # -- serving (activations.inference_working_set; traced with verify --task infer) ------------------------
+    # RoPE's cos / sin take the value's dtype (FalconAttention: rotary_emb(value_layer)), not the residual
+    # stream's, so under autocast q, k and the KV cache stay half
+    rope_in_value_dtype: bool = False
+    # score-sized tensors alive at once in the family's own eager attention (FalconAttention: the scores, the
+    # scores plus the mask, and softmax's output and its dtype copy, all in the compute dtype); 0: transformers'
+    # eager_attention_forward (the masked scores beside softmax's output and fp32 copy)
+    eager_score_tensors: int = 0
+    # GPT2Block keeps the attention's output in a local through the MLP, and with learned positions the model's
+    # forward keeps the position embeddings' output (1 x s x h) beside the token embeddings' (traced: GPT-2,
+    # GPT-BigCode)
+    block_keeps_attn_output: bool = False
+
 
     # -- what memplan and transformers can run -------------------------------------------------------------
     # attention implementations transformers lacks (`_supports_sdpa` / `_supports_flash_attn`); eager exists
@@ -118,6 +131,7 @@ FAMILIES: dict[str, Family] = {
     "distilbert": Family(**_ENCODER),
     # GPT2Attention.c_attn is one Conv1D for q, k, v
     "gpt2": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
+                   block_keeps_attn_output=True,
                    query_views_fused_qkv=True, fused_loss_causal_base="transformer", tiled_mlp=True,
                    memplan_attention=True),
     "opt": Family(**_DECODER, lora_targets=_QV, softmax_fp32=True),
@@ -141,7 +155,8 @@ FAMILIES: dict[str, Family] = {
     # eager_attention_forward always up-casts the softmax (the config's attention_softmax_in_fp32 /
     # scale_attention_softmax_in_fp32 are read into the module but no 5.23 code path uses them)
     "gpt_bigcode": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
-                          query_views_fused_qkv=True, softmax_fp32=True, fused_loss_causal_base="transformer",
+                          block_keeps_attn_output=True,
+                                 query_views_fused_qkv=True, softmax_fp32=True, fused_loss_causal_base="transformer",
                           tiled_mlp=True, memplan_attention=True),
     # FalconDecoderLayer (falcon-7b: parallel_attn, one input_layernorm shared by attention and MLP;
     # new_decoder_architecture: ln_attn and ln_mlp, both on the residual; neither: input and post-attention
@@ -150,6 +165,7 @@ FAMILIES: dict[str, Family] = {
     # its eager softmax runs in the hidden states' dtype (no up-cast); fused query_key_value; FalconMLP
     # dense_h_to_4h -> gelu -> dense_4h_to_h. PEFT: query_key_value
     "falcon": Family(arch="decoder", lora_targets=("query_key_value",), position="rotary", qkv_linears=1, sdpa_mask="always",
+                     rope_in_value_dtype=True, eager_score_tensors=4,
                      parallel_residual=True, fused_loss_causal_base="transformer", tiled_mlp=True),
     # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
     "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative",

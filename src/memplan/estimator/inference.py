@@ -3,7 +3,7 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.estimator.activations import Tensors, inference_working_set, total
+from memplan.estimator.activations import Tensors, inference_working_set, rotary_in_stream_dtype, total
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.parallel import tied_head
@@ -66,7 +66,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
     # under autocast k is fp32, and DynamicLayer.lazy_initialization starts both caches in k's dtype: the
     # torch.cat with them promotes v too (traced)
-    kv_b = r if spec.position == "rotary" else p
+    kv_b = r if rotary_in_stream_dtype(spec) else p
     notes: list[str] = []
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g)) + round_block(spec.buffer_bytes)
     tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
