@@ -95,12 +95,21 @@ def test_qwen3_moe_counts_match_their_model_cards():
     assert resolve_model("qwen3-30b-a3b").expert_width == 768
 
 
+def test_gpt_oss_counts_match_their_model_cards():
+    """gpt-oss-20b's 21B and gpt-oss-120b's 117B total (bf16, as transformers builds them: the hub's MXFP4 experts
+    are a storage format), half the layers sliding over 128 tokens."""
+    for name, card, total in (("gpt-oss-20b", 21e9, 20_914_757_184), ("gpt-oss-120b", 117e9, 116_829_156_672)):
+        spec = resolve_model(name)
+        assert spec.params_total == total and abs(total - card) / card < 0.01, name
+        assert spec.layer_types.count("sliding_attention") == spec.num_layers // 2 and spec.sliding_window == 128
+
+
 def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
     # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b,
-    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b, smollm3-3b (issue 16)
-    assert len(ENTRIES) == 54
+    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b, smollm3-3b, gpt-oss-20b / 120b (issue 16)
+    assert len(ENTRIES) == 56
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

@@ -343,6 +343,9 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     if not prec.autocast:
         out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
     out += _mlp(spec, routed, prec, spec.expert_width)
+    extra = family(spec.model_type).expert_act_extra
+    if extra:
+        out.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed, extra))
     out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
     if spec.shared_expert_intermediate_size:
         # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
@@ -702,6 +705,10 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     if spec.arch == "vision":  # the images stay alive through the forward, in the weights' dtype
         pixels = [Tensors("pixel values", r * b * spec.num_channels * spec.image_size ** 2)]
         around, head = around + pixels, head + pixels
+    if attn == "eager" and spec.arch == "decoder":
+        # the decoder layer binds eager attention's returned probabilities to `_` (hidden_states, _ =
+        # self.self_attn(...)), which keeps them alive through the MLP (traced: gpt-oss)
+        mlp = mlp + [Tensors("attention probabilities (kept by the layer)", p * b * spec.num_heads * s * (context or s))]
     layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
     return {k: around + ts for k, ts in layer.items()} | {"head": head}
 
@@ -733,6 +740,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     w = FP32 if fam.moe_router_fp32 else p
     combine = mlp + [Tensors("expert outputs (down projection)", p * h * f_tok),
                      Tensors("weighted expert outputs, unpermuted", w * h * f_tok, 2)]
+    n_f += fam.expert_act_extra  # the experts' composed activation (gpt-oss's clamped SwiGLU)
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
 
 

@@ -67,6 +67,10 @@ class Family:
     # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits), so the weighted expert
     # outputs are fp32; Mixtral's and Qwen3-MoE's cast them to the hidden dtype first
     moe_router_fp32: bool = False
+    # Extra expert-width tensors the experts' own activation saves per routed token beyond act(gate) * up:
+    # GptOssExperts._apply_gate clamps gate and up, multiplies by sigmoid(alpha * gate) and by up + 1, and
+    # autograd keeps the clamps' inputs (gate_up's halves), the sigmoid, the glu and up + 1 (traced: 4)
+    expert_act_extra: int = 0
     # -- serving (activations.inference_working_set; traced with verify --task infer) ------------------------
     # RoPE's cos / sin take the value's dtype (FalconAttention: rotary_emb(value_layer)), not the residual
     # stream's, so under autocast q, k and the KV cache stay half
@@ -184,6 +188,12 @@ FAMILIES: dict[str, Family] = {
     # first_k_dense_replace dense layers) under llama-style attention with partial rotary (and an optional per-head
     # q/k norm, off in GLM-4.5). PEFT 0.21 has no default LoRA targets for glm4_moe
     "glm4_moe": Family(**_ROTARY_GATED, moe_router_fp32=True, fused_loss_causal_base="model"),
+    # GptOssDecoderLayer: attention sinks (one learned logit per head, concatenated to the scores) in eager only
+    # (no _supports_sdpa; its flash path needs the kernels hub), alternating sliding and full layers, biased
+    # projections, fused experts with a clamped SwiGLU, top-k then softmax routing. PEFT 0.21 has no default
+    # LoRA targets for gpt_oss
+    "gpt_oss": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, attn_unsupported=("sdpa", "flash"),
+                      expert_act_extra=4, fused_loss_causal_base="model"),
     # SmolLM3DecoderLayer: llama's layer; no_rope_layers turns RoPE off on every fourth layer, which changes no
     # saved tensor (RoPE saves only the shared cos / sin). PEFT 0.21 has no default LoRA targets for smollm3
     "smollm3": Family(**_ROTARY_GATED, **_KERNELS),
