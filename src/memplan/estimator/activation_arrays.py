@@ -1,6 +1,6 @@
 """The activation models of a set of workloads at every micro batch, as arrays: one tensor's bytes on one
 tensor-parallel rank, its count and the lists it belongs to, for the step to sum and to pack into
-segments (activations.py builds the tensors; docs/estimator.md).
+segments (activations.py builds the tensors, traced.py a traced model's; docs/estimator.md).
 
 Every activation term is affine in the micro batch b: activations.py builds each from T = b*s,
 b*a*s*s, b*s*E, ..., and a few are shared by the batch (T5's position bias: the constant part). So the
@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from memplan.estimator import traced
 from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
 from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.estimator.finetune import (
@@ -58,9 +59,13 @@ class ActsKey(NamedTuple):
 
     @property
     def affine(self) -> bool:
-        return not (self.kernels or self.tiled_mlp)
+        # a traced model's transients are the largest of several fitted moments, which is not affine in b
+        return not (self.kernels or self.tiled_mlp or self.spec.traced_config)
 
     def model(self, b: int) -> ActivationModel:
+        if self.spec.traced_config:  # a model_type without an analytic model: fitted to traces of it
+            return traced.activations(self.spec, b, self.seq, PRECISIONS[self.precision],
+                                      "eager" if self.eager else "sdpa", checkpointed=self.grad_ckpt == "full")
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,

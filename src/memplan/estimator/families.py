@@ -285,7 +285,7 @@ def fused_loss_supported(spec: ModelSpec) -> bool:
 def activation_method(spec: ModelSpec) -> str:
     """How the estimator models this model's activations: "analytic" (a row of FAMILIES) or "traced"
     (coefficients fitted to a trace of the real transformers model: docs/estimator.md)."""
-    return "analytic" if family(spec.model_type).arch else "traced"
+    return "traced" if spec.traced_config else "analytic"
 
 
 def describe(spec: ModelSpec) -> str:

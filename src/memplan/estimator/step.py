@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memplan.estimator import activation_arrays as A
+from memplan.estimator import activation_arrays as A, traced
 from memplan.estimator.activations import shard
 from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
@@ -292,6 +292,8 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
 
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
     notes = [n for n in (unquantised_note(spec, Tuning.of(w)),) if n]
+    if spec.traced_config:
+        notes.append(traced.note(spec, w))
     if OPTIMIZERS[w.optim].paged:
         notes.append(f"{w.optim}: the optimizer states live in CUDA managed memory (paged): outside torch's "
                      "allocator, counted in device used; under memory pressure the driver pages them to CPU RAM")

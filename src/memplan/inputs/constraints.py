@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # The precisions DeepSpeed's and FSDP's own mixed precision run (no pure-bf16 mode there).
 SHARDED_PRECISIONS = ("fp32", "fp16", "bf16")
+# A model_type without an analytic model (the constraints' examples of the traced path): a config path from the
+# repository's root, where the tests run
+TRACED_EXAMPLE = "benchmarks/accuracy/configs/cohere2-small.json"
 # The fields that vary per cell of the search's table (micro batch x accumulation), not per candidate.
 BATCH_FIELDS = frozenset({"micro_batch", "grad_accum"})
 
@@ -380,6 +383,17 @@ TABLE: tuple[Constraint, ...] = (
                        f"and the masked LMs of {', '.join(model_types(lambda f: f.fused_loss_mlm_base))}; "
                        f"not {m.model_type} ({m.head})",
        {"kernels": True}, model="t5-small"),
+    # the traced path (estimator/traced.py) fits one GPU's full training step of the model as transformers runs it:
+    # no tensor-parallel split, no adapters or frozen blocks, no selective recomputation, no generation
+    _c("traced-scope", "model", "task tp sp method grad_ckpt",
+       lambda w, m, g: bool(m.traced_config) and (w.task != "train" or w.tp > 1 or w.method != "full"
+                                                  or w.grad_ckpt == "selective"),
+       lambda w, m, g: f"{m.model_type} has traced coefficients (no analytic model), which cover full training "
+                       "with --grad-ckpt none or full on each GPU's whole model (data parallel, ZeRO, FSDP, "
+                       "pipeline stages); not " + ("--task infer" if w.task != "train" else f"--tp {w.tp}"
+                                                   if w.tp > 1 else f"--method {w.method}" if w.method != "full"
+                                                   else "--grad-ckpt selective"),
+       {"grad_ckpt": "selective"}, model=TRACED_EXAMPLE),
     _c("generation-needs-decoder", "model", "max_new_tokens",
        lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
        lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",

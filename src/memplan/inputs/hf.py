@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.estimator.families import family, model_types
+from memplan.estimator.families import family
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 
 # Default head per architecture, and the Auto class that builds it (sequence classification with 2
@@ -150,11 +150,7 @@ def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_
     check_config(config)
     cfg = load_config(config, trust_remote_code)
     check_config(cfg)  # what transformers filled in (defaults, attribute aliases)
-    mt = cfg.model_type
-    arch = family(mt).arch
-    if arch is None:
-        supported = ", ".join(model_types(lambda f: f.arch))
-        raise UserError(f"model_type {mt!r} has no activation model yet (supported: {supported})")
+    arch = family(cfg.model_type).arch or traced_arch(cfg)
     head = head or DEFAULT_HEAD[arch]
     if head not in HEADS:
         raise UserError(f"unknown head {head!r} (choose from {', '.join(HEADS)})")
@@ -164,6 +160,45 @@ def prepare_config(config: dict[str, Any] | Any, head: str | None, trust_remote_
         if getattr(cfg, "num_labels", 2) == 2 and not getattr(cfg, "id2label", None):
             cfg.num_labels = DEFAULT_NUM_LABELS
     return cfg, head
+
+
+# Model types transformers builds whose blocks are not attention over text tokens: state-space and hybrid
+# layers (transformers 5.23 models/<type>), which a traced attention block would not describe
+STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+               "granitemoehybrid", "lfm2", "xlstm", "nemotron_h", "plamo2", "minimax", "qwen3_next", "recurrent_gemma")
+
+
+def traced_arch(cfg: Any) -> str:
+    """The architecture of a model_type without an analytic model, for the traced path (estimator/traced.py):
+    encoder-decoder (config.is_encoder_decoder), encoder (transformers has a masked-LM head for it and no plain
+    causal one of its own), decoder (a causal-LM head); vision-language, speech, vision and state-space models
+    are refused by name."""
+    from transformers.models.auto import modeling_auto as auto
+
+    mt = cfg.model_type
+    if mt in STATE_SPACE or any(hasattr(cfg, k) for k in ("ssm_state_size", "mamba_d_state", "state_size")):
+        raise UserError(f"model_type {mt!r} has state-space (recurrent) layers: memplan models attention blocks "
+                        "only, analytic or traced")
+    if getattr(cfg, "vision_config", None) is not None or mt in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        raise UserError(f"model_type {mt!r} is a vision-language model: memplan traces text models only "
+                        "(pass its text model's config, e.g. the text_config's model_type)")
+    speech = (auto.MODEL_FOR_CTC_MAPPING_NAMES, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+              auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES)
+    if any(mt in names for names in speech):
+        raise UserError(f"model_type {mt!r} is a speech model: memplan traces text models only")
+    if mt in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES and mt not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"model_type {mt!r} is a vision model: memplan traces text models only (ViT is analytic)")
+    if _get(cfg, *HIDDEN) is None or _get(cfg, *ATTN_HEADS) is None or _get(cfg, *LAYERS) is None:
+        raise UserError(f"model_type {mt!r}: its config names no hidden size, attention heads or layers that "
+                        "memplan reads; it is not a transformer text model memplan can trace")
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    if mt in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder"
+    if mt in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "decoder"
+    raise UserError(f"model_type {mt!r} has no causal-LM, masked-LM or seq2seq head in transformers: memplan "
+                    "traces text models with one")
 
 
 def spec_from_config(
@@ -177,8 +212,31 @@ def spec_from_config(
     cfg, head = prepare_config(config, head, trust_remote_code)
     model = _meta_model(cfg, head, name, trust_remote_code)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    arch = _architecture(cfg, head)
+    if not family(cfg.model_type).arch:  # the traced path: its facts read off the built model
+        arch |= _traced_facts(cfg, model)
     return ModelSpec(name=name, hf_id=hf_id, model_type=cfg.model_type, head=head, params=_param_table(model),
-                     unquantised=_unquantised(model), buffer_bytes=buffers, **_architecture(cfg, head))
+                     unquantised=_unquantised(model), buffer_bytes=buffers, **arch)
+
+
+def _traced_facts(cfg: Any, model) -> dict[str, Any]:
+    """A traced model's descriptive facts (its activations come from the traces, estimator/traced.py): the
+    architecture, RMSNorm or LayerNorm and rotary positions by the classes its modules have, a gated MLP by a
+    gate projection among its parameters, and the config itself (the traces' key)."""
+    classes = {type(m).__name__.lower() for m in model.modules()}
+    names = {n.rpartition(".")[0].rpartition(".")[2] for n, _ in model.named_parameters()}
+    gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "wi_0", "fc1_g"})
+    rotary = any("rotary" in c for c in classes)
+    return dict(norm="rmsnorm" if any("rmsnorm" in c for c in classes) else "layernorm",
+                mlp="gated" if gated else "plain", position="rotary" if rotary else "learned",
+                traced_config=config_json(cfg))
+
+
+def config_json(cfg: Any) -> str:
+    """A transformers config as canonical JSON: the traced coefficients' key (estimator/traced.py)."""
+    import json
+
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
 
 
 def _meta_model(cfg: Any, head: str, name: str, trust_remote_code: bool):
@@ -229,7 +287,7 @@ def module_path(name: str) -> str:
 def _architecture(cfg: Any, head: str) -> dict[str, Any]:
     """ModelSpec's architecture fields from a config, whatever each family calls them."""
     fam = family(cfg.model_type)
-    arch, mlp = fam.arch, fam.mlp
+    arch, mlp = fam.arch or traced_arch(cfg), fam.mlp
     hidden, heads = _get(cfg, *HIDDEN), _get(cfg, *ATTN_HEADS)
     inter = _get(cfg, *INTER, default=4 * hidden)
     if fam.mlp_width_4h_when_unset and cfg.n_inner is None:
@@ -245,7 +303,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
     return dict(
         arch=arch, mlp=mlp, norm=fam.norm, position=fam.position, activation=str(act),
         num_layers=int(_get(cfg, *LAYERS)),
-        num_decoder_layers=int(_get(cfg, "num_decoder_layers", default=0) or 0) if arch == "encoder-decoder" else 0,
+        num_decoder_layers=int(_get(cfg, "num_decoder_layers", "decoder_layers", default=0) or 0) if arch == "encoder-decoder" else 0,
         hidden_size=int(hidden), num_heads=int(heads), num_kv_heads=int(_get(cfg, *KV_HEADS, default=heads)),
         head_dim=int(_get(cfg, *HEAD_DIM, default=hidden // heads)), intermediate_size=int(inter),
         vocab_size=int(_get(cfg, "vocab_size", default=0)), max_position=int(max_pos),

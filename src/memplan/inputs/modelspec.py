@@ -155,6 +155,10 @@ class ModelSpec(Derived):
     # LayerNorms per layer where the config decides it (Falcon: one input_layernorm shared by attention and MLP
     # under parallel_attn, two otherwise); 0: the family's (families.Family.norms_per_layer)
     layer_norms: int = 0
+    # -- traced coefficients (estimator/traced.py) ----------------------------------------------------------
+    # The transformers config as canonical JSON, for a model_type without an analytic activation model: its
+    # activations are fitted to traces of the real model built from it; "": the family's analytic model.
+    traced_config: str = ""
 
     # A spec is a cache key of the estimator's per-stage results (estimator/states.py, activation_arrays.py), looked
     # up for every row of a search: its hash is computed once (the model is frozen, so it cannot change).

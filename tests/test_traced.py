@@ -1,0 +1,113 @@
+"""The traced path: a model_type without an analytic activation model is traced, fitted, cached and estimated
+like an analytic one (estimator/traced.py, inputs/trace.py; docs/estimator.md, "Traced coefficients")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import memplan
+from memplan.errors import UserError
+from memplan.estimator import traced
+from memplan.estimator.families import activation_method
+from memplan.estimator.rules import PRECISIONS
+from memplan.inputs.hf import config_json, prepare_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "benchmarks/accuracy/configs"
+COHERE2 = str(CONFIGS / "cohere2-small.json")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    """A cache of this module's own: the first estimate of each key traces, as on a new machine."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEMPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("memplan-cache")))
+    traced.coefficients.cache_clear()
+    yield
+    traced.coefficients.cache_clear()
+    mp.undo()
+
+
+@pytest.mark.parametrize("name, arch", [("cohere2", "decoder"), ("electra", "encoder"), ("bart", "encoder-decoder"),
+                                        ("mt5", "encoder-decoder")])
+def test_unknown_model_types_are_traced_with_their_architecture(name, arch):
+    spec = memplan.resolve_model(str(CONFIGS / f"{name}-small.json"))
+    assert activation_method(spec) == "traced" and spec.arch == arch and spec.traced_config
+    assert activation_method(memplan.resolve_model("llama-3.2-1b")) == "analytic"
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}, "state-space"),
+    ({"model_type": "qwen2_vl", "vision_config": {}, "hidden_size": 64}, "vision-language"),
+    ({"model_type": "whisper", "d_model": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4}, "speech"),
+])
+def test_what_cannot_be_traced_is_refused_by_name(tmp_path, config, says):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(UserError, match=says):
+        memplan.resolve_model(str(path))
+
+
+def test_fit_recovers_a_polynomial_and_measures_a_misfit():
+    points = [(b, s) for s in (32, 192, 352, 512) for b in (1, 2)]
+    true = np.array([7.0, 3.0, 5.0, 11.0, 13.0, 17.0])
+    values = np.array([[traced.evaluate(tuple(true), b, s)] for b, s in points])
+    coef, err = traced.fit(points, values)
+    assert np.allclose(coef[0], true) and err < 1e-9
+    values[3, 0] *= 1.5  # one trace off the polynomial
+    assert traced.fit(points, values)[1] > 0.01
+
+
+def test_estimate_says_traced_and_matches_the_fake_trace():
+    """Estimate vs verify --device fake on a model memplan has no analytic model of (Cohere2: one LayerNorm
+    for a parallel attention + MLP block, sliding and full layers), with and without checkpointing."""
+    from memplan.verify.run import run
+
+    for ckpt in ("none", "full"):
+        work = dict(precision="bf16", seq_len=512, micro_batch=2, grad_ckpt=ckpt, optim="adamw_torch_fused")
+        est = memplan.estimate(COHERE2, "a100-80g", **work)
+        assert any("traced coefficients of cohere2" in n for n in est.notes)
+        rep = run(model=COHERE2, gpu="a100-80g", device="fake", **work)
+        assert abs(rep.meters[0].error_pct) <= 3.0, (ckpt, rep.meters[0])
+
+
+def test_coefficients_are_read_back_from_disk_and_keyed_by_content(monkeypatch):
+    spec = memplan.resolve_model(COHERE2)
+    prec = PRECISIONS["bf16"]
+    key = traced.key_of(spec, 512, prec, "sdpa", False)
+    first = traced.coefficients(key)
+    assert Path(first.path).is_file() and Path(first.path).parent == traced.cache_dir()
+    traced.coefficients.cache_clear()
+
+    def no_trace(key):
+        raise AssertionError("traced again instead of reading the cache")
+
+    monkeypatch.setattr("memplan.inputs.trace.trace_points", no_trace)
+    assert traced.coefficients(key) == first
+    # another config (one layer more) is another key
+    other = spec.model_copy(update={"traced_config": spec.traced_config.replace('"num_hidden_layers": 4',
+                                                                                '"num_hidden_layers": 5')})
+    assert traced.key_of(other, 512, prec, "sdpa", False).digest != key.digest
+
+
+def test_traced_agrees_with_the_analytic_model():
+    """The same model traced and analytic (a copy of its spec with traced_config set) within 2 %."""
+    path = CONFIGS / "llama-small.json"
+    spec = memplan.resolve_model(str(path))
+    cfg, _ = prepare_config(json.loads(path.read_text()), spec.head)
+    as_traced = spec.model_copy(update={"traced_config": config_json(cfg)})
+    work = dict(precision="bf16", seq_len=512, micro_batch=3, optim="adamw_torch_fused")
+    a = memplan.estimate(spec, "a100-80g", **work).peak_allocated_bytes
+    t = memplan.estimate(as_traced, "a100-80g", **work).peak_allocated_bytes
+    assert abs(t - a) / a <= 0.02
+
+
+def test_a_launchers_hundredth_call_gives_its_first_answer():
+    work = dict(precision="bf16", seq_len=512, micro_batch=2, optim="adamw_torch_fused")
+    first = memplan.estimate(COHERE2, "a100-80g", **work).peak_allocated_bytes
+    memplan.estimate(COHERE2, "a100-80g", precision="bf16-pure", seq_len=512, micro_batch=4)
+    assert all(memplan.estimate(COHERE2, "a100-80g", **work).peak_allocated_bytes == first for _ in range(3))
