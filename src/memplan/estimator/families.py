@@ -17,7 +17,7 @@ from memplan.inputs.modelspec import ModelSpec
 
 @dataclass(frozen=True)
 class Family:
-    # -- architecture (read by inputs/hf.py; None: memplan has no activation model for the family) ---------
+    # -- architecture (read by inputs/hf.py; None: no analytic model, the family is traced: estimator/traced.py)
     arch: str | None = None  # "encoder", "decoder", "encoder-decoder", "vision"
     mlp: str = "plain"  # "plain" (up, act, down) or "gated" (act(gate) * up, down)
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
