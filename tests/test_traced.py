@@ -70,7 +70,8 @@ def test_estimate_says_traced_and_matches_the_fake_trace():
     for ckpt in ("none", "full"):
         work = dict(precision="bf16", seq_len=512, micro_batch=2, grad_ckpt=ckpt, optim="adamw_torch_fused")
         est = memplan.estimate(COHERE2, "a100-80g", **work)
-        assert any("traced coefficients of cohere2" in n for n in est.notes)
+        said = [n for n in est.notes if "traced coefficients of cohere2" in n]
+        assert said and Path(said[0].rpartition("cached in ")[2]).is_file()  # the file the estimate read
         rep = run(model=COHERE2, gpu="a100-80g", device="fake", **work)
         assert abs(rep.meters[0].error_pct) <= 3.0, (ckpt, rep.meters[0])
 

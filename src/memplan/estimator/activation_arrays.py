@@ -58,14 +58,19 @@ class ActsKey(NamedTuple):
                    t.method == "freeze" and records_frozen_blocks(spec, t))
 
     @property
+    def trace_key(self) -> traced.TraceKey:
+        """The traced coefficients this model reads (a model_type without an analytic model)."""
+        return traced.key_of(self.spec, self.seq, PRECISIONS[self.precision], "eager" if self.eager else "sdpa",
+                             self.grad_ckpt == "full")
+
+    @property
     def affine(self) -> bool:
         # a traced model's transients are the largest of several fitted moments, which is not affine in b
         return not (self.kernels or self.tiled_mlp or self.spec.traced_config)
 
     def model(self, b: int) -> ActivationModel:
         if self.spec.traced_config:  # a model_type without an analytic model: fitted to traces of it
-            return traced.activations(self.spec, b, self.seq, PRECISIONS[self.precision],
-                                      "eager" if self.eager else "sdpa", checkpointed=self.grad_ckpt == "full")
+            return traced.activations(self.trace_key, b, self.seq)
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,

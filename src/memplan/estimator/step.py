@@ -293,7 +293,7 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:
     notes = [n for n in (unquantised_note(spec, Tuning.of(w)),) if n]
     if spec.traced_config:
-        notes.append(traced.note(spec, w))
+        notes.append(traced.note(A.ActsKey.of(spec, w).trace_key, spec.model_type))
     if OPTIMIZERS[w.optim].paged:
         notes.append(f"{w.optim}: the optimizer states live in CUDA managed memory (paged): outside torch's "
                      "allocator, counted in device used; under memory pressure the driver pages them to CPU RAM")

@@ -1,8 +1,8 @@
 """Traced coefficients: the activation model of a model_type without an analytic one, fitted to traces of the
 real transformers model (inputs/trace.py measures; docs/estimator.md, "Traced coefficients").
 
-For one `TraceKey` (the config, the head, the activations' precision, the attention, whether the model runs
-with its KV cache, which side of its attention window the sequences are) the model is traced at micro batches
+For one `TraceKey` (the config, the head, the activations' precision, the attention, full checkpointing or
+not, which side of its attention window the sequences are) the model is traced at micro batches
 b = 1, 2 and four sequence lengths s. Every saved storage and every moment of the three transient windows is
 fitted to
 
@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
-from memplan.estimator.rules import PRECISIONS, Precision
+from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 
-FORMAT = 5  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 6  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
@@ -62,9 +62,10 @@ class TraceKey:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:24]
 
 
-# (region, index) of a saved storage -> its coefficients; a window -> its moments' coefficients
 @dataclass(frozen=True)
 class Coefficients:
+    """Each fitted storage or moment as its six coefficients (`evaluate`)."""
+
     layer: tuple[tuple[float, ...], ...]  # one block's saved storages (weighted by the layer types' shares)
     decoder_layer: tuple[tuple[float, ...], ...]
     embed: tuple[tuple[float, ...], ...]
@@ -133,10 +134,10 @@ def fit(points: list[tuple[int, int]], values: np.ndarray) -> tuple[np.ndarray, 
 
 
 # -- the activation model at one workload ----------------------------------------------------------------------
-def activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, checkpointed: bool) -> ActivationModel:
-    """The traced counterpart of activations.training_activations (no TP, LoRA, selective or kernels: the
-    constraints refuse them for traced models)."""
-    c = coefficients(key_of(spec, s, prec, attn, checkpointed))
+def activations(key: TraceKey, b: int, s: int) -> ActivationModel:
+    """The traced counterpart of activations.training_activations at micro batch b and sequence s (no TP, LoRA,
+    selective or kernels: the constraints refuse them for traced models)."""
+    c = coefficients(key)
 
     def saved(name: str, rows, lsm=()) -> list[Tensors]:
         kinds = list(lsm) + [False] * (len(rows) - len(lsm))
@@ -149,7 +150,7 @@ def activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, che
 
     layer, decoder = saved("block", c.layer), saved("decoder block", c.decoder_layer)
     layer_backward = moment("layer_backward")
-    if checkpointed:
+    if key.checkpointed:
         # traced with the recompute in it, which the step adds itself: one block's saved tensors (step.py)
         recompute = max(sum(t.nbytes for t in layer), sum(t.nbytes for t in decoder))
         layer_backward = [replace(layer_backward[0], nbytes=max(0.0, layer_backward[0].nbytes - recompute))]
@@ -160,11 +161,10 @@ def activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, che
         loss_backward=moment("loss_backward"))
 
 
-def note(spec: ModelSpec, w) -> str:
+def note(key: TraceKey, model_type: str) -> str:
     """The line estimate prints for a traced model."""
-    prec = PRECISIONS[w.precision]
-    path = cache_dir() / f"{key_of(spec, w.seq_len, prec, w.attn, w.grad_ckpt == 'full').digest}.json"
-    return f"activations: traced coefficients of {spec.model_type} (no analytic model), cached in {path}"
+    return (f"activations: traced coefficients of {model_type} (no analytic model), cached in "
+            f"{cache_dir() / f'{key.digest}.json'}")
 
 
 # -- fitting and the cache ----------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     from memplan.inputs.trace import trace_points
 
     t0 = time.perf_counter()
-    runs = trace_points(key)
+    layout, runs = trace_points(key)
     points = [(b, s) for b, s, _ in runs]
     plain = [m for _, _, m in runs]
     # under full checkpointing what the step keeps (each block's checkpoint inputs), the loss's and the last
@@ -220,20 +220,16 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
         errors.append(err)
         return tuple(tuple(float(x) for x in r) for r in coef)
 
-    enc, dec = plain[0]["stacks"]
-    weights = plain[0]["weights"]
+    (enc, dec), weights = layout.stacks, layout.weights
     layer = _stack(lambda get: rows(get, plain), enc[1:], weights)
     decoder = _stack(lambda get: rows(get, plain), dec[1:], weights)
     head = rows(lambda m: m["saved"].get("head", []))
     lsm = tuple(kept[0]["lsm"]) if len(head) == len(kept[0]["lsm"]) else ()
-    # what a checkpointed block keeps: its checkpoint's inputs (traced), else the hidden states it reads
-    n_enc, n_dec = plain[0]["layer_counts"]
-    if "checkpointed" in plain[0]:
-        shares = {k: v * n_enc / (n_enc + n_dec) for k, v in weights.items() if k in enc} | {
-            k: v * n_dec / (n_enc + n_dec) for k, v in weights.items() if k in dec}
+    layer_input: tuple[tuple[float, ...], ...] = ()  # read by the step under full checkpointing only
+    if key.checkpointed:  # what a checkpointed block keeps: its checkpoint's inputs, at its share of all layers
+        n_enc, n_dec = layout.layer_counts
+        shares = {k: v * (n_enc if k in enc else n_dec) / (n_enc + n_dec) for k, v in weights.items()}
         layer_input = _stack(rows, enc[1:] + dec[1:], shares)
-    else:
-        layer_input = rows(lambda m: [m["inputs"][enc[-1]]])
     # each stack's first block beyond its second (same type): kept once, with the embeddings
     firsts = [rows(lambda m, st=st: [_total(m, st[0]) - _total(m, st[1])]) for st in (enc, dec) if st]
     embed = rows(lambda m: m["saved"].get("embed", [])) + tuple(r[0] for r in firsts)
@@ -247,7 +243,7 @@ def _total(m: dict, k: int) -> int:
 
 
 def _stack(rows, blocks: list[int], weights: dict) -> tuple[tuple[float, ...], ...]:
-    """One stack's mean block: each traced block's storages at its layer type's share."""
+    """The mean block of `blocks`: each traced block's storages at its share (its layer type's)."""
     out: list[tuple[float, ...]] = []
     for k in blocks:
         share = weights[k]

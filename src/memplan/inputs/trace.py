@@ -4,11 +4,11 @@ analytic activation model of (estimator/traced.py fits and uses the measurements
 
 One measurement builds the real model from its config with its blocks cut to two per stack, or to the first
 layer and one per distinct layer type (the layer types' shares of the full model weight them later; the first
-layer's own extra is kept apart: T5's first block computes the position bias every block shares), as FakeTensors under CUDA semantics
-(verify/cudasim.py: autocast's op lists, native dropout, the SDPA kernel an sm80 GPU picks), and runs one
-forward with the loss and one backward with every storage tracked (verify/tracer.py). Hooks on the blocks
-(transformers' own `_no_split_modules` classes) mark where each block's forward, and the last block's backward,
-begin and end. From the timeline it reads:
+layer's own extra is kept apart: T5's first block computes the position bias every block shares), and runs
+verify's training step on it once as FakeTensors under CUDA semantics (verify/run.py train_steps,
+verify/cudasim.py: autocast's op lists, native dropout, the SDPA kernel an sm80 GPU picks), every storage
+tracked (verify/tracer.py). Hooks on the blocks (transformers' own `_no_split_modules` classes) mark where each
+block's forward, and the last block's backward, begin and end. From the timeline it reads:
 - saved: every storage born in the forward and still alive when backward starts, by where it was born (the
   embeddings, block k, the head); a block's input belongs to the block that reads it, the last block's output
   to the head (the analytic model's convention: a norm's saved input is its layer's);
@@ -16,14 +16,15 @@ begin and end. From the timeline it reads:
 - the transient bytes above the saved ones at every allocation of three windows: the loss (after the last
   block, in the forward), the start of backward (until the last block's backward starts) and the last block's
   backward, each as a series over the window's events.
-Weights, autocast's weight casts, gradients and the batch are left out: the step model counts them itself.
+Weights, autocast's weight casts, gradients, the optimizer's tensors and the batch are left out: the step model
+counts them itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 from memplan.errors import UserError
 
@@ -70,7 +71,7 @@ class _Marks:
     """Positions in the tracker's event list where a block's forward or the last block's backward begin and end."""
 
     def __init__(self, tracker, blocks: list) -> None:
-        self.tracker, self.blocks = tracker, blocks
+        self.tracker = tracker
         self.order: list[int] = []  # blocks in the order they ran
         self.start: dict[int, int] = {}
         self.end: dict[int, int] = {}
@@ -134,51 +135,36 @@ def _first_tensor(out):
 
 def measure(cfg: Any, head: str, precision: str, attn: str, b: int, s: int, use_cache: bool = True,
             checkpointed: bool = False) -> dict[str, Any]:
-    """One forward and backward of the reduced model `cfg` at micro batch b and sequence s, a decoder with or
-    without its KV cache, with full gradient checkpointing (as verify sets it up) or without (see the module's
-    docstring): {"saved": {region: [bytes, ...]}, "lsm": [bool per head tensor], "windows": {name: [bytes, ...]},
-    "blocks": [block index per run position], "stacks": [stack of each block]}."""
-    import torch
+    """One training step of the reduced model `cfg` at micro batch b and sequence s, as verify runs it, a decoder
+    with or without its KV cache, with full gradient checkpointing or without (see the module's docstring):
+    {"saved": {region: [bytes, ...]}, "lsm": [bool per head storage], "windows": {name: [(op, bytes), ...]},
+    "order": [block index, in the order the blocks ran]}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.estimator.rules import PRECISIONS
-    from memplan.verify.cudasim import CudaSemantics
     from memplan.inputs.workload import Workload
-    from memplan.verify.run import build, make_batch, prepare_model
+    from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.run import autocast_dtype, make_batch, setup, train_steps
     from memplan.verify.tracer import LiveTracker
 
-    prec = PRECISIONS[precision]
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec.half or "")
-    dtype = half if (half is not None and not prec.autocast) else torch.float32
+    w = Workload(precision=precision, attn=attn, grad_ckpt="full" if checkpointed else "none")
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, head = build(cfg, head, attn, "meta", dtype)
+        model, head, optimizer, dtype = setup(cfg, head, w, "meta")
         model.config.use_cache = use_cache
-        prepare_model(model, Workload(grad_ckpt="full" if checkpointed else "none"))
-        blocks = find_blocks(model)
-        sem = CudaSemantics(half if prec.autocast else None, TRACE_SM, fake=True)
+        sem = CudaSemantics(autocast_dtype(w), TRACE_SM, fake=True)
         tracker = LiveTracker()
-        marks = _Marks(tracker, blocks)
+        marks = _Marks(tracker, find_blocks(model))
+        phases: dict[str, int] = {}  # phase -> the event position where it began
         try:
             with tracker:
                 tracker.register(list(model.parameters()) + list(model.buffers()), "weights")
                 with sem:
-                    tracker.set_phase("data")
-                    batch = make_batch(model, head, b, s, dtype, "cpu")
-                    tracker.set_phase("forward")
-                    sem.cache_enabled = True
-                    loss = model(**batch).loss
-                    sem.cache_enabled = False
-                    sem.clear_cache()
-                    del batch
-                    tracker.set_phase("backward")
-                    backward_at = len(tracker.events)
-                    loss.backward()
-                    del loss
-                tracker.classify([p.grad for p in model.parameters() if p.grad is not None], "gradients")
+                    train_steps(model, lambda: make_batch(model, head, b, s, dtype, "cpu"), optimizer, w, 1,
+                                tracker=tracker, sem=sem,
+                                on_phase=lambda step, name: phases.setdefault(name, len(tracker.events)))
         finally:
             marks.close()
-        out = _read(tracker, marks, backward_at)
-        model = None
+        out = _read(tracker, marks, phases["backward"])
+        model = optimizer = None
     return out
 
 
@@ -226,8 +212,7 @@ def _read(tracker, marks: _Marks, backward_at: int) -> dict[str, Any]:
     }
     return {"saved": {r: [allocs[i].nbytes for i in ids] for r, ids in by_region.items()},
             "lsm": [i in lsm_set for i in by_region.get("head", [])], "windows": windows,
-            "order": list(marks.order),
-            "inputs": {k: allocs[a].nbytes if a is not None else 0 for k, a in marks.inputs.items()}}
+            "order": list(marks.order)}
 
 
 def _regions(saved: list[int], born_at: dict[int, int], marks: _Marks) -> dict[int, str]:
@@ -253,10 +238,17 @@ def _regions(saved: list[int], born_at: dict[int, int], marks: _Marks) -> dict[i
     return out
 
 
-def trace_points(key) -> list[tuple[int, int, dict[str, Any]]]:
-    """(b, s, measurement) at every point estimator/traced.py fits, for one TraceKey; each measurement also
-    names the blocks of each stack ("stacks": encoder-or-decoder-only, decoder) and each block's share of its
-    stack's layers ("weights": its layer type's)."""
+class Layout(NamedTuple):
+    """The traced model's blocks, the same in every trace of a key."""
+
+    stacks: tuple[list[int], list[int]]  # the blocks of each stack (encoder-or-decoder-only, decoder) as they ran
+    weights: dict[int, float]  # block -> its share of its stack's layers (its layer type's); block 0: the first
+    layer_counts: tuple[int, int]  # the full model's layers per stack
+
+
+def trace_points(key) -> tuple[Layout, list[tuple[int, int, dict[str, Any]]]]:
+    """The traced model's layout and (b, s, measurement) at every point estimator/traced.py fits, for one
+    TraceKey; under full checkpointing a measurement holds the checkpointed one under "checkpointed"."""
     import json
 
     from memplan.estimator.traced import B_POINTS, seq_points
@@ -268,8 +260,6 @@ def trace_points(key) -> list[tuple[int, int, dict[str, Any]]]:
         cfg, head = prepare_config(config, key.head)
         types = _trace_types(spec.layer_types)
         small = reduced_config(cfg, types)
-        # block 0 is the first layer, which may keep more (T5's position bias): block 1 on are the layers' types
-        shares = {k: spec.layer_types.count(t) / len(spec.layer_types) for k, t in enumerate(types) if k} or {1: 1.0}
         runs = []
         for s in seq_points(spec, key.beyond_window):
             for b in B_POINTS:
@@ -277,15 +267,16 @@ def trace_points(key) -> list[tuple[int, int, dict[str, Any]]]:
                 # them), the last block's backward with it (its recompute in it)
                 m = measure(small, head, key.precision, key.attn, b, s, use_cache=not key.checkpointed)
                 if key.checkpointed:
-                    with_ckpt = measure(small, head, key.precision, key.attn, b, s, False, checkpointed=True)
-                    m["checkpointed"] = with_ckpt
-                order = list(dict.fromkeys(m["order"]))
-                half = len(order) // 2
-                m["stacks"] = (order[:half], order[half:]) if spec.arch == "encoder-decoder" else (order, [])
-                m["weights"] = {k: 1.0 for k in order} if spec.arch == "encoder-decoder" else shares
-                m["layer_counts"] = (spec.num_layers, spec.num_decoder_layers)
+                    m["checkpointed"] = measure(small, head, key.precision, key.attn, b, s, False, checkpointed=True)
                 runs.append((b, s, m))
-    return runs
+    order = list(dict.fromkeys(runs[0][2]["order"]))
+    if spec.arch == "encoder-decoder":
+        half = len(order) // 2
+        counts = (spec.num_layers, spec.num_decoder_layers)
+        return Layout((order[:half], order[half:]), {k: 1.0 for k in order}, counts), runs
+    # block 0 is the first layer, which may keep more (T5's position bias): block 1 on are the layers' types
+    shares = {k: spec.layer_types.count(t) / len(spec.layer_types) for k, t in enumerate(types) if k} or {1: 1.0}
+    return Layout((order, []), shares, (spec.num_layers, 0)), runs
 
 
 def _trace_types(types: tuple[str, ...]) -> tuple[str, ...]:

@@ -185,7 +185,7 @@ def train_steps(model, batch_fn: Callable[[], dict], optimizer, w: Workload, ste
     return times
 
 
-def _half(w: Workload):
+def autocast_dtype(w: Workload):
     """The autocast dtype of this precision, or None (fp32, bf16-pure)."""
     import torch
 
@@ -261,7 +261,7 @@ def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], devic
     t0 = time.perf_counter()
     with mode:
         model, head, optimizer, dtype = setup(config, head, w, "meta" if fake else "cpu", spec)
-        sem = CudaSemantics(_half(w), sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
+        sem = CudaSemantics(autocast_dtype(w), sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
         tracker = LiveTracker()
         # qlora: bitsandbytes' CUDA matmul paths on the CPU (methods.cuda_bnb_paths)
         with tracker, cuda_bnb_paths() if w.method == "qlora" else contextlib.nullcontext():
@@ -292,7 +292,7 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
     model = optimizer = None
     try:
         model, head, optimizer, dtype = setup(config, head, w, "cuda", spec)
-        half = _half(w)
+        half = autocast_dtype(w)
         autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else None
         kernel_ctx = contextlib.nullcontext()
         if w.attn == "flash":
