@@ -112,3 +112,10 @@ def test_a_launchers_hundredth_call_gives_its_first_answer():
     first = memplan.estimate(COHERE2, "a100-80g", **work).peak_allocated_bytes
     memplan.estimate(COHERE2, "a100-80g", precision="bf16-pure", seq_len=512, micro_batch=4)
     assert all(memplan.estimate(COHERE2, "a100-80g", **work).peak_allocated_bytes == first for _ in range(3))
+
+
+def test_a_traced_models_positions_bound_the_sequence_only_where_they_are_a_table():
+    """mT5's relative buckets take any length (as t5-small's do); BART's learned table has 1,024 rows."""
+    assert memplan.estimate(str(CONFIGS / "mt5-small.json"), "a100-80g", seq_len=1024).peak_allocated_bytes > 0
+    with pytest.raises(UserError, match="1,024 learned positions"):
+        memplan.estimate(str(CONFIGS / "bart-small.json"), "a100-80g", seq_len=2048)

@@ -220,16 +220,26 @@ def spec_from_config(
 
 
 def _traced_facts(cfg: Any, model) -> dict[str, Any]:
-    """A traced model's descriptive facts (its activations come from the traces, estimator/traced.py): the
-    architecture, RMSNorm or LayerNorm and rotary positions by the classes its modules have, a gated MLP by a
-    gate projection among its parameters, and the config itself (the traces' key)."""
+    """A traced model's descriptive facts (its activations come from the traces, estimator/traced.py): RMSNorm
+    or LayerNorm by the classes its modules have, a gated MLP by a gate projection among its parameters, its
+    positions (`_traced_position`) and the config itself (the traces' key)."""
     classes = {type(m).__name__.lower() for m in model.modules()}
     names = {n.rpartition(".")[0].rpartition(".")[2] for n, _ in model.named_parameters()}
-    gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "wi_0", "fc1_g"})
-    rotary = any("rotary" in c for c in classes)
+    gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "wi_0"})
     return dict(norm="rmsnorm" if any("rmsnorm" in c for c in classes) else "layernorm",
-                mlp="gated" if gated else "plain", position="rotary" if rotary else "learned",
+                mlp="gated" if gated else "plain", position=_traced_position(cfg, model, classes),
                 traced_config=config_json(cfg))
+
+
+def _traced_position(cfg: Any, model, classes: set[str]) -> str:
+    """rotary (a rotary-embedding module), learned (a position table among the parameters: BART's
+    embed_positions, ELECTRA's position_embeddings; the positions-learned constraint bounds the sequence by its
+    rows), else relative (T5-style buckets, ALiBi: no table, no bound)."""
+    if any("rotary" in c for c in classes):
+        return "rotary"
+    if any("position" in n for n, _ in model.named_parameters()):
+        return "learned"
+    return "relative"
 
 
 def config_json(cfg: Any) -> str:
