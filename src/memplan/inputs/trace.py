@@ -146,7 +146,8 @@ def measure(cfg: Any, head: str, precision: str, attn: str, b: int, s: int, use_
     from memplan.verify.run import autocast_dtype, make_batch, setup, train_steps
     from memplan.verify.tracer import LiveTracker
 
-    w = Workload(precision=precision, attn=attn, grad_ckpt="full" if checkpointed else "none")
+    # the optimizer's tensors are not measured (the step counts them): SGD without momentum is the cheapest step
+    w = Workload(precision=precision, attn=attn, grad_ckpt="full" if checkpointed else "none", optim="sgd")
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, head, optimizer, dtype = setup(cfg, head, w, "meta")
         model.config.use_cache = use_cache
