@@ -108,8 +108,9 @@ def test_catalog_is_complete_and_names_unique():
     names = [n.lower() for e in ENTRIES for n in e.names]
     assert len(names) == len(set(names)), "a name/alias/hub id maps to two entries"
     # 40 + deepseek-v3 / r1, starcoder2-15b, octocoder, falcon-7b, llama-3.3-70b, phi-4, mistral-small-24b,
-    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b, smollm3-3b, gpt-oss-20b / 120b (issue 16)
-    assert len(ENTRIES) == 56
+    # gemma-3-1b / 4b / 27b, qwen3-30b-a3b / 235b-a22b, smollm3-3b, gpt-oss-20b / 120b,
+    # llama-4-scout-17b-16e (issue 16)
+    assert len(ENTRIES) == 57
     assert all(e.source and e.config["model_type"] == e.spec.model_type for e in ENTRIES)
 
 

@@ -80,8 +80,9 @@ def _accuracy_cases(stem: str) -> list[dict]:
 
 def test_the_accuracy_suite_has_the_must_show_cases():
     for stem in ("qwen3-small", "olmo2-small"):
-        got = {(c["precision"], c["grad_ckpt"]) for c in _accuracy_cases(stem)}
-        assert {("bf16", "none"), ("bf16", "full"), ("bf16-pure", "none"), ("bf16-pure", "full")} <= got
+        got = {(c["precision"], c.get("grad_ckpt", c.get("task"))) for c in _accuracy_cases(stem)}
+        assert {("bf16", "none"), ("bf16", "full"), ("bf16-pure", "none"), ("bf16-pure", "full"),
+                ("bf16", "infer"), ("bf16-pure", "infer")} <= got
         assert json.loads((CONFIGS / f"{stem}.json").read_text())["model_type"] == stem.split("-")[0]
 
 

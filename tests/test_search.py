@@ -21,6 +21,20 @@ def test_bert_large_v100_plan_fits_without_bf16():
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_estimate_reports_the_speed_suggest_ranks_by():
+    """estimate's step_time_s / samples_per_s / tokens_per_s / mfu for a plan's own workload are the plan's
+    (issue 17): one speed model, read by both."""
+    s = memplan.suggest("bert-base", "t4-16g", seq_len=128, global_batch=32)
+    for p in s.plans[:3]:
+        w = p.workload.model_dump(exclude={"headroom"})
+        e = memplan.estimate("bert-base", "t4-16g", **w)
+        assert e.step_time_s == pytest.approx(p.step_seconds) and e.samples_per_s == pytest.approx(p.samples_per_s)
+        assert e.tokens_per_s == pytest.approx(p.tokens_per_s) and e.mfu == pytest.approx(p.mfu)
+        assert e.tokens_per_s == pytest.approx(e.samples_per_s * 128)
+    serve = memplan.estimate("llama-3.2-1b", "a100-80g", task="infer", micro_batch=4, seq_len=512, max_new_tokens=8)
+    assert serve.step_time_s > 0 and 0 < serve.mfu < 1
+
+
 def test_other_optimizers_only_reported_unless_allowed():
     closed = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024)
     assert {p.optim for p in closed.plans} <= {"adamw_torch_fused"}

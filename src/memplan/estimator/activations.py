@@ -112,19 +112,24 @@ def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     5.23 models/qwen3/modeling_qwen3.py Qwen3Attention.forward, models/olmo2/modeling_olmo2.py
     Olmo2Attention.forward. RoPE after it saves only cos and sin (shared by the layers)."""
     fam = family(spec.model_type)
-    if fam.qk_norm is None:
+    if fam.qk_norm is None or spec.qk_norm_layers == 0:
         return []
     a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     normalised = FP32 if fam.norm_weight_fp32 else prec.act
-    per_head = fam.qk_norm == "head"
+    per_head = fam.qk_norm != "full"
     # a norm over the whole projection needs all heads: transformers' TP plan gathers q, k (Olmo2Config
     # base_model_tp_plan "colwise_gather_output"), so those tensors are replicated; per-head norms split with heads
     rep = not per_head
+    # Llama 4's L2 norm (Llama4TextL2Norm: x.float() * rsqrt(mean(x^2) + eps), type_as back) has no weight, so no
+    # normalised tensor; it runs on the RoPE layers only: the mean layer takes their share
+    share = 1.0 if spec.qk_norm_layers is None else spec.qk_norm_layers / spec.num_layers
     out: list[Tensors] = []
     for name, heads in (("q", a), ("k", k)):
-        out += [Tensors(f"{name}_norm fp32 input", FP32 * heads * d * T, rep=rep),
-                Tensors(f"{name}_norm normalised", normalised * heads * d * T, rep=rep, kind=TensorKind.NORM_INPUT),
-                Tensors(f"{name}_norm rstd", FP32 * (heads if per_head else 1) * T, rep=rep)]
+        out += [Tensors(f"{name}_norm fp32 input", share * FP32 * heads * d * T, rep=rep),
+                Tensors(f"{name}_norm rstd", share * FP32 * (heads if per_head else 1) * T, rep=rep)]
+        if fam.qk_norm != "l2":
+            out.append(Tensors(f"{name}_norm normalised", normalised * heads * d * T, rep=rep,
+                               kind=TensorKind.NORM_INPUT))
     return out
 
 
@@ -257,8 +262,11 @@ def _mla_attention(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, 
 def sdpa_masked(spec: ModelSpec, s_kv: int) -> bool:
     """Whether SDPA gets a materialised mask instead of is_causal (families.Family.sdpa_mask)."""
     rule = family(spec.model_type).sdpa_mask
-    window = spec.sliding_window
-    return rule == "always" or (rule == "window" and window is not None and window < s_kv)
+    window = spec.sliding_window or spec.attention_chunk_size
+    # masking_utils' sdpa_mask skips the mask (is_causal) only while the keys are fewer than the local size:
+    # _ignore_causal_mask_sdpa returns False once kv_length >= local_attention_size (sliding_window, or
+    # attention_chunk_size for create_chunked_causal_mask)
+    return rule == "always" or (rule == "window" and window is not None and window <= s_kv)
 
 
 def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int) -> list[Tensors]:
@@ -272,11 +280,32 @@ def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int) -> li
     a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     # where layer_types mix sliding and full layers (Gemma 3), only the sliding ones get the mask: the layer list
     # is the layers' mean (the step multiplies it by the layer count), so these terms take the sliding share
-    share = spec.layer_types.count("sliding_attention") / len(spec.layer_types) if spec.layer_types else 1.0
+    local = sum(t in ("sliding_attention", "chunked_attention") for t in spec.layer_types)
+    share = local / len(spec.layer_types) if spec.layer_types else 1.0
     out = [Tensors("core: SDPA additive mask (query dtype)", share * p * b * s_q * s_kv, kind=TensorKind.CORE)]
     if a != k:
         out.append(Tensors("core: k, v repeated to all heads", share * p * a * d * b * s_kv, 2, kind=TensorKind.CORE))
     return out
+
+
+def checkpoint_masks(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
+    """The attention masks a decoder's forward makes once and passes to every layer. Under full checkpointing each
+    checkpointed layer holds its arguments until its backward recomputes it, so they live through the step
+    (without it autograd saves no mask: SDPA's additive copy is in _sdpa_mask_terms). eager: a float mask
+    (b x 1 x s x s, in the embeddings' dtype: masking_utils eager_mask) per attention kind (full, sliding,
+    chunked); SDPA: a boolean one per kind it is materialised for (sdpa_masked). Traced: Llama eager, an fp32
+    mask of 8 MiB at b2 s1024 under autocast; StarCoder 2's sliding-window mask; Gemma 3 and Llama 4 hold a
+    second boolean tensor of the same size (and_masks' intermediate) that this leaves out."""
+    if spec.arch != "decoder":
+        return []
+    local = "sliding_attention" if spec.sliding_window else "chunked_attention" if spec.attention_chunk_size else None
+    kinds = set(spec.layer_types) or {local or "full_attention"}
+    if attn == "eager":
+        return [Tensors("attention masks (held by the checkpointed layers)", prec.residual * b * s * s, len(kinds))]
+    if not sdpa_masked(spec, s):
+        return []
+    n = 1 if family(spec.model_type).sdpa_mask == "always" else max(1, len(kinds - {"full_attention"}))
+    return [Tensors("SDPA boolean masks (held by the checkpointed layers)", b * s * s, n)]
 
 
 def query_is_view(prec: Precision) -> bool:
@@ -356,12 +385,43 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     return out
 
 
+def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+    """Llama4TextMoe (transformers 5.24 models/llama4/modeling_llama4.py), R = E * T rows:
+    - the router (Llama4Router, a Linear over the norm output), the shared expert's gate_proj and up_proj read
+      the same input: three half casts under autocast, else the norm output once;
+    - the router's top-k indices (int64, which topk and scatter_ save), the sigmoid's fp32 output and the scores'
+      transposed copy (E * T in the router's dtype) that the multiply below saves;
+    - hidden_states.repeat(E, 1) (R x h in the stream's dtype), saved by its multiply by the scores, and that
+      product (fp32 under autocast: an fp32 stream times half scores), which the experts' bmm saves (its half
+      cast under autocast);
+    - Llama4TextExperts: the gated MLP over all R rows (gate_up, act(gate), the product before down_proj); its
+      output is summed over the experts (reshape(E, T, h).sum(0)) and added in place to the shared expert's,
+      neither saving anything;
+    - the shared expert (Llama4TextMLP) on the T tokens."""
+    h, E, K, r, p = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual, prec.act
+    R = E * T
+    out = _linear_inputs(3, h, T, prec, "router, shared gate / up input")
+    out += [Tensors("router top-k indices (int64)", 8 * K * T, rep=True),
+            Tensors("router sigmoid output", FP32 * E * T, rep=True),
+            Tensors("router scores (the multiply's copy)", p * E * T, rep=True),
+            Tensors("hidden states repeated per expert", r * h * R, rep=True)]
+    out += _linear_inputs(1, h, R, prec, "experts' input (scaled copies)")
+    out += _mlp(spec, R, prec, spec.expert_width)
+    out += _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
+    return out
+
+
+def routed_rows(spec: ModelSpec, T: int) -> int:
+    """Rows the experts run on: each token once per chosen expert, or once per expert (moe_all_experts)."""
+    return T * (spec.num_experts if family(spec.model_type).moe_all_experts else spec.experts_per_token)
+
+
 def _moe_layers(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     """The MLP part of the mean layer of a MoE model: its routed layers' terms and, where the first layers (or
     mlp_only_layers) are dense, theirs, each at its share of the layers (Tensors.nbytes may be fractional; the
     step multiplies the mean layer by the layer count, so the total over the layers is exact; one layer's
     recomputation under full checkpointing and a pipeline stage's share take the mean)."""
-    moe = _moe(spec, T, prec)
+    moe = (_moe_all_experts if family(spec.model_type).moe_all_experts else _moe)(spec, T, prec)
     if not spec.dense_layers:
         return moe
     share = spec.moe_layers / spec.num_layers
@@ -444,7 +504,7 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
     gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB, or
     the tiled MLP's recomputed chunk)."""
     T, p = b * s, prec.act
-    f_tokens, f = (T * spec.experts_per_token, spec.expert_width) if spec.is_moe else (T, spec.intermediate_size)
+    f_tokens, f = (routed_rows(spec, T), spec.expert_width) if spec.is_moe else (T, spec.intermediate_size)
     mlp = [Tensors("mlp grad buffers", p * f * f_tokens, 2)]
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
@@ -648,7 +708,9 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
-        embed=shard(_embeddings(spec, b, s, prec), tp, sp) if embed_grad else [],
+        # full checkpointing (kv_cache off) keeps the masks with the layers' inputs, on the first stage's list
+        embed=shard((_embeddings(spec, b, s, prec) if embed_grad else [])
+                    + ([] if kv_cache or selective else checkpoint_masks(spec, b, s, prec, attn)), tp, sp),
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
@@ -682,7 +744,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     h, T = spec.hidden_size, b * s
     # an encoder's layers are post-norm (BertLayer: the attention's LayerNorm output is the MLP input), so no
     # norm output precedes the attention and none beside the MLP's input
-    post_norm = spec.arch == "encoder"
+    post_norm = spec.arch == "encoder" or family(spec.model_type).post_norm_layers
     rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
     fam = family(spec.model_type)
     around = [Tensors("rotary cos, sin", r * s * rope_dim, 2 * fam.rope_tables)] if spec.position == "rotary" else []
@@ -726,12 +788,20 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     # pieces at once (traced: GPT-2); a native activation its output beside its input
     composed = len(ACTIVATION_SAVES.get(spec.activation, ("act",))) > 1
     n_f = (4 if fused_up else 3) if spec.mlp == "gated" else (4 if composed else 2)
+    # a parallel layer (GPT-NeoX, Falcon) has no residual after attention: it holds the attention's output
+    # (FalconDecoderLayer: mlp_output += attention_output after the MLP) in the matmul dtype instead (traced)
+    parallel = fam.parallel_residual
     mlp = [Tensors("embedding output, layer input, (residual after attention,) MLP input", r * h * T,
-                   3 if post_norm else 4)]
+                   3 if post_norm or parallel else 4)]
+    if parallel:
+        mlp.append(Tensors("attention output (parallel layer)", p * h * T))
     if fam.block_keeps_attn_output:
         mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
     if not spec.is_moe:
         return mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
+    if fam.moe_all_experts:
+        return max(_inference_all_experts(spec, T, p, r, mlp) + [mlp + [Tensors("mlp intermediates", p * f * T, n_f)]],
+                   key=total)
     # the experts run on each token's copy per chosen expert (grouped_mm: sorted by expert)
     f, f_tok = spec.expert_width, T * spec.experts_per_token
     mlp.append(Tensors("tokens permuted to their experts", p * h * f_tok))
@@ -740,8 +810,50 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     w = FP32 if fam.moe_router_fp32 else p
     combine = mlp + [Tensors("expert outputs (down projection)", p * h * f_tok),
                      Tensors("weighted expert outputs, unpermuted", w * h * f_tok, 2)]
-    n_f += fam.expert_act_extra  # the experts' composed activation (gpt-oss's clamped SwiGLU)
+    if fam.expert_act_extra:  # the composed activation's pieces (gpt-oss's clamped SwiGLU) replace act(gate)
+        n_f += fam.expert_act_extra - 1
+    # biased experts (gpt-oss: gate_up_proj_bias, E x 2f) gather each routed token's bias row before the
+    # grouped matmul adds it (integrations/moe.py grouped_mm_experts_forward: gate_up_proj_bias[expert_ids_g]),
+    # a copy as large as the gate_up output, alive through the activation (traced)
+    if any(g.category == "experts" and len(g.shape) == 2 for g in spec.params):
+        n_f += 2 if spec.mlp == "gated" else 1
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
+
+
+def _inference_all_experts(spec: ModelSpec, T: int, p: int, r: int, base: list[Tensors]) -> list[list[Tensors]]:
+    """The moments of Llama4TextMoe under no_grad (_moe_all_experts), R = E * T rows: the hidden states repeated
+    per expert beside their product with the scores (which replaces them in `routed_in`); inside the experts,
+    routed_in beside the half cast of it under autocast and gate_up, then gate_up, act(gate) and the product, then
+    gate_up, the product and the down projection's output."""
+    h, f, R = spec.hidden_size, spec.expert_width, T * spec.num_experts
+    routed = Tensors("hidden states repeated per expert, scaled by the router (routed_in)", r * h * R)
+    out = [base + [routed, Tensors("the repeat before its scaling", r * h * R)],
+           base + [routed, Tensors("gate_up, act(gate), their product", p * f * R, 4)],
+           base + [routed, Tensors("gate_up, the product", p * f * R, 3), Tensors("experts' output", p * h * R)]]
+    if r != p:  # autocast: the bmm's half cast of routed_in beside its gate_up output
+        out.append(base + [routed, Tensors("experts' input (half cast)", p * h * R), Tensors("gate_up", p * f * R, 2)])
+    return out
+
+
+def _inference_sdpa_extras(spec: ModelSpec, b: int, s: int, p: int, r: int, context: int) -> list[Tensors]:
+    """What an SDPA call holds beyond q, k, v and its output, under no_grad (traced: Falcon under autocast):
+    - a fused QKV projection's output, which the attention's locals hold while RoPE makes new q and k from its
+      views (FalconAttention fused_qkv, Phi3Attention qkv, GPTNeoXAttention qkv);
+    - under autocast with RoPE in the stream's dtype, q and k are fp32 and SDPA runs on half casts of them;
+    - a materialised mask (sdpa_masked): the additive copy in the query's dtype (b x 1 x s x s_kv) and, where
+      the kv heads are fewer, k and v repeated to every head (integrations/sdpa_attention.py; Falcon's own
+      call, which the memory-efficient kernel needs at the query's heads)."""
+    a, k, d, T, s_kv = spec.num_heads, spec.num_kv_heads, spec.head_dim, b * s, context or s
+    out = []
+    if family(spec.model_type).qkv_linears == 1 and spec.position == "rotary":
+        out.append(Tensors("fused QKV output (held by the attention)", p * (a + 2 * k) * d * T))
+    if r != p and rotary_in_stream_dtype(spec):
+        out.append(Tensors("q, k half casts (SDPA)", p * (a + k) * d * T))
+    if sdpa_masked(spec, s_kv):
+        out.append(Tensors("SDPA additive mask (query dtype)", p * b * s * s_kv))
+        if a != k:
+            out.append(Tensors("k, v repeated to all heads", p * a * d * b * s_kv, 2))
+    return out
 
 
 def rotary_in_stream_dtype(spec: ModelSpec) -> bool:
@@ -757,8 +869,8 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     scores beside the softmax output); and ("rotary") RoPE before the layer's k and v reach the cache."""
     h, a, k, d, T, s_kv = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, b * s, context or s
     stream = [Tensors("embedding output, layer input, (norm output)", r * h * T, 2 if post_norm else 3)]
-    # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32, and
-    # the cache's torch.cat promotes v to k's dtype (inference.py, kv_b)
+    # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32 (v stays
+    # in the matmul dtype, and is cached so: inference.py, kv_b)
     qkv = r if rotary_in_stream_dtype(spec) else p
     if spec.is_mla:
         # multi-head latent attention decompresses the cached latent at every step (modeling_deepseek_v3.py):
@@ -767,9 +879,9 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         qkv_ts = [Tensors("q_b_proj output, the query built from it", qkv * a * d * T, 2),
                   Tensors("k, kv_b_proj output", p * b * s_kv * a * (d + spec.qk_nope_head_dim + spec.value_head_dim))]
     elif attn == "eager":  # repeat_kv's copies of k and v at every query head
-        qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", qkv * (a if a != k else k) * d * b * s_kv, 2)]
+        qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", (qkv + p) * a * d * b * s_kv)]
     else:
-        qkv_ts = [Tensors("q, k, v", qkv * d * T * (a + 2 * k))]
+        qkv_ts = [Tensors("q, k, v", (qkv * (a + k) + p * k) * d * T)]
     if attn == "eager":
         # the scaled scores (plus a decoder's float mask, in the residual stream's dtype, so promoted to it)
         # beside the softmax output: fp32 where the family, an fp32 model or autocast computes it in fp32, after
@@ -778,10 +890,12 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
         sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
         own = family(spec.model_type).eager_score_tensors
-        width = own * qkv if own else m + sm
+        # FalconAttention's eager path: QK^T in the matmul dtype, the rest in the hidden states' dtype (scores +
+        # the float mask, softmax(..., dtype=hidden_states.dtype) as two _softmax results at its peak) (traced)
+        width = p + (own - 1) * r if own else m + sm
         core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv)]
     else:
-        core = [Tensors("attention output", p * a * d * T)]
+        core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
     out = {"attention": stream + qkv_ts + core}
     if spec.position == "rotary" and not spec.is_mla:
         # apply_rotary_pos_emb: q, q * cos, rotate_half(q) (a torch.cat) and its product with sin live together

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -60,6 +60,12 @@ class MemoryBreakdown(BaseModel):
     host_ram_limit_bytes: int | None = None
     host_ram_fits: bool = True
     defaults: list[str] = []  # the defaults memplan chose for what was left out (the defaults line)
+    # The speed model's prediction for this configuration (search/cost.py, docs/cost-model.md), the numbers
+    # suggest ranks plans by: one optimizer step (a forward of the micro batch when serving), over all GPUs
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
 
 class Peak(NamedTuple):
@@ -77,6 +83,7 @@ class Peak(NamedTuple):
     params_per_gpu: int
     saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
     state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
+    rates: Any = None  # search.cost.Throughput of this configuration (the speed model's prediction)
 
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
@@ -96,6 +103,8 @@ def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBrea
         capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - p.device_used,
         fits=p.device_used <= usable, notes=p.notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
         params_per_gpu=p.params_per_gpu,
+        **({} if p.rates is None else dict(step_time_s=p.rates.step_seconds, samples_per_s=p.rates.samples_per_s,
+                                           tokens_per_s=p.rates.tokens_per_s, mfu=p.rates.mfu)),
     )
 
 

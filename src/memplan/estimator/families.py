@@ -48,7 +48,8 @@ class Family:
     tiled_mlp_norms: int = 0
     # RMSNorm on the query and key projections before RoPE: "head" normalises each head over head_dim (one
     # rstd per head and token: Qwen3Attention.q_norm / k_norm), "full" normalises the whole projection over
-    # heads * head_dim (one rstd per token: Olmo2Attention.q_norm / k_norm); None: no q/k norm
+    # heads * head_dim (one rstd per token: Olmo2Attention.q_norm / k_norm), "l2" is a per-head norm without a
+    # weight after RoPE (Llama4TextL2Norm, on the RoPE layers only: ModelSpec.qk_norm_layers); None: no q/k norm
     qk_norm: str | None = None
     # The RMSNorm multiplies by its weight before casting back (Olmo2RMSNorm.forward: (weight * x).to(input_dtype)),
     # so the normalised tensor it saves for the weight's gradient is fp32 whatever the input (LlamaRMSNorm casts
@@ -56,8 +57,8 @@ class Family:
     norm_weight_fp32: bool = False
     # When SDPA gets a materialised attention mask rather than is_causal: "always" (FalconModel.forward calls
     # create_causal_mask with allow_is_causal_skip=False), "window" (Starcoder2Model: the sliding-window mask, once
-    # the window is shorter than the keys: masking_utils' sdpa_mask skips only a mask that masks nothing more than
-    # causality); None: never (is_causal). With a mask, transformers' sdpa_attention_forward repeats k, v to every
+    # the keys reach the window, or Llama 4's chunk: masking_utils' sdpa_mask skips only a mask that masks nothing
+    # more than causality); None: never (is_causal). With a mask, transformers' sdpa_attention_forward repeats k, v to every
     # head (use_gqa_in_sdpa: attention_mask is None) and torch's SDPA turns the boolean mask into an additive one
     # in the query's dtype, which the memory-efficient kernel saves (verify/cudasim.py, CudaSemantics._sdpa).
     sdpa_mask: str | None = None
@@ -67,22 +68,36 @@ class Family:
     # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits), so the weighted expert
     # outputs are fp32; Mixtral's and Qwen3-MoE's cast them to the hidden dtype first
     moe_router_fp32: bool = False
+    # Every token runs through every expert (Llama4TextMoe: the hidden states repeated num_experts times, each
+    # copy scaled by its sigmoid router score, zero off the top-k, and one bmm per expert over all tokens), so the
+    # experts' tensors are num_experts * tokens long, not experts_per_token * tokens (activations._moe_all_experts)
+    moe_all_experts: bool = False
     # Extra expert-width tensors the experts' own activation saves per routed token beyond act(gate) * up:
     # GptOssExperts._apply_gate clamps gate and up, multiplies by sigmoid(alpha * gate) and by up + 1, and
     # autograd keeps the clamps' inputs (gate_up's halves), the sigmoid, the glu and up + 1 (traced: 4)
     expert_act_extra: int = 0
     # -- serving (activations.inference_working_set; traced with verify --task infer) ------------------------
-    # RoPE's cos / sin take the value's dtype (FalconAttention: rotary_emb(value_layer)), not the residual
-    # stream's, so under autocast q, k and the KV cache stay half
+    # RoPE's output keeps the projections' dtype, not the residual stream's (Llama 4's apply_rotary_emb:
+    # type_as(xq); FalconModel computes cos / sin from the hidden states, as llama does), so under autocast q, k
+    # and the KV cache stay half
     rope_in_value_dtype: bool = False
-    # score-sized tensors alive at once in the family's own eager attention (FalconAttention: the scores, the
-    # scores plus the mask, and softmax's output and its dtype copy, all in the compute dtype); 0: transformers'
-    # eager_attention_forward (the masked scores beside softmax's output and fp32 copy)
+    # score-sized tensors alive at once in the family's own eager attention (FalconAttention: the scores in the
+    # matmul dtype, then the scores plus the float mask and softmax(..., dtype=hidden_states.dtype), two results
+    # at its peak, in the hidden states' dtype, fp32 under autocast); 0: transformers' eager_attention_forward
+    # (the masked scores beside softmax's output and fp32 copy)
     eager_score_tensors: int = 0
     # GPT2Block keeps the attention's output in a local through the MLP, and with learned positions the model's
     # forward keeps the position embeddings' output (1 x s x h) beside the token embeddings' (traced: GPT-2,
     # GPT-BigCode)
     block_keeps_attn_output: bool = False
+    # The layers' linears are nn.Linear, whose weight autocast casts once and caches (torch caches the casts of
+    # leaf tensors only); False: FalconLinear multiplies by weight.T, a view, so each matmul casts its weight anew
+    # and no_grad serving keeps no copy of a layer's weights (the LM head, an nn.Linear, is cached) (traced)
+    autocast_caches_layer_weights: bool = True
+    # The layer normalises its sublayers' outputs, not their inputs (Olmo2DecoderLayer: post_attention_layernorm
+    # and post_feedforward_layernorm before each residual add), so attention and MLP read the residual stream
+    # itself: in serving no norm output lives beside it (activations.inference_working_set, as BERT's post-norm)
+    post_norm_layers: bool = False
 
 
     # -- what memplan and transformers can run -------------------------------------------------------------
@@ -169,7 +184,7 @@ FAMILIES: dict[str, Family] = {
     # its eager softmax runs in the hidden states' dtype (no up-cast); fused query_key_value; FalconMLP
     # dense_h_to_4h -> gelu -> dense_4h_to_h. PEFT: query_key_value
     "falcon": Family(arch="decoder", lora_targets=("query_key_value",), position="rotary", qkv_linears=1, sdpa_mask="always",
-                     rope_in_value_dtype=True, eager_score_tensors=4,
+                     eager_score_tensors=4, autocast_caches_layer_weights=False,
                      parallel_residual=True, fused_loss_causal_base="transformer", tiled_mlp=True),
     # T5DenseActDense: wi -> act -> dropout -> wo; flash: T5 has no _supports_flash_attn
     "t5": Family(arch="encoder-decoder", lora_targets=("q", "v"), norm="rmsnorm", position="relative",
@@ -207,7 +222,7 @@ FAMILIES: dict[str, Family] = {
     # after the MLP, each before its residual add (2 norms per layer, as a pre-norm layer), so the q/k/v and the
     # gate/up projections read the residual stream itself; q_norm / k_norm over the whole projection. PEFT has no
     # default LoRA targets for olmo2 (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no entry)
-    "olmo2": Family(**_ROTARY_GATED, qk_norm="full", norm_weight_fp32=True, **_KERNELS),
+    "olmo2": Family(**_ROTARY_GATED, qk_norm="full", norm_weight_fp32=True, post_norm_layers=True, **_KERNELS),
     "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
     # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
@@ -220,6 +235,19 @@ FAMILIES: dict[str, Family] = {
     # is left out: five of six layers slide, and a window sends it to its eager fallback (kernels/attention.py).
     "gemma3_text": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, qk_norm="head", norm_weight_fp32=True,
                           sdpa_mask="window", rope_tables=2, fused_loss_causal_base="model", tiled_mlp=True),
+    # Llama4TextDecoderLayer (the text model of Llama 4, transformers 5.24 models/llama4/modeling_llama4.py):
+    # llama's two RMSNorms per layer; Llama4TextAttention rotates q and k as complex numbers (apply_rotary_emb: an
+    # fp32 copy, a complex multiply by the shared freqs_cis, type_as back: nothing saved per layer), then the
+    # weightless L2 norm on the RoPE layers (use_qk_norm; ModelSpec.qk_norm_layers), scales the query on the NoPE
+    # layers (attn_temperature_tuning: a multiply by a no-grad table, nothing saved); chunked attention on the
+    # RoPE layers (layer_types chunked_attention: SDPA gets a materialised mask once the keys reach
+    # attention_chunk_size, masking_utils create_chunked_causal_mask local_size), full attention on the NoPE
+    # ones; its eager_attention_forward keeps the softmax in the scores' dtype. Llama4TextMoe: every token through
+    # every expert (moe_all_experts) beside a shared expert, dense layers intermediate_size_mlp wide off
+    # moe_layers. PEFT 0.21 keys its default LoRA targets by "llama4", not "llama4_text", so it has none.
+    # memplan's tiled attention is left out (chunked layers send it to its eager fallback)
+    "llama4_text": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, qk_norm="l2", moe_all_experts=True,
+                          rope_in_value_dtype=True, sdpa_mask="window", fused_loss_causal_base="model"),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),
     # DeepseekV3Attention: multi-head latent attention (ModelSpec.is_mla; activations._mla_attention), RMSNorm,

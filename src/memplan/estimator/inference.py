@@ -6,6 +6,7 @@ from __future__ import annotations
 from memplan.estimator.activations import Tensors, inference_working_set, rotary_in_stream_dtype, total
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
+from memplan.estimator.families import family
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
 from memplan.estimator.states import autocast_copies, by_shape, rounded
@@ -13,18 +14,21 @@ from memplan.estimator.meters import gpu_workspace, meters
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
+from memplan.search.cost import inference_throughput
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int) -> int:
-    """One layer's KV cache bytes per token: k and v at the KV heads (2 * kv_heads * head_dim), or, with
+def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = None) -> int:
+    """One layer's KV cache bytes per token: k and v at the KV heads (kv_heads * head_dim each, k at kv_bytes
+    and v at v_bytes: transformers 5.24's DynamicLayer / StaticLayer allocate each in its own tensor's dtype,
+    where 5.23 started both in k's and its torch.cat promoted a half v to an fp32 k), or, with
     multi-head latent attention, the latent and the shared rotary key (kv_lora_rank + qk_rope_head_dim): transformers
     5.23 caches them before decompressing (modeling_deepseek_v3.py DeepseekV3Attention.forward:
     past_key_values.update(kv_nope, k_rot) as one-head keys and values), as serving engines do (vLLM's
     MLAAttentionSpec: num_kv_heads=1, head_size=kv_lora_rank + qk_rope_head_dim; DeepSeek-V3: 576 values against
     49,152 decompressed)."""
-    if spec.is_mla:
+    if spec.is_mla:  # the latent (after its RMSNorm) and k_rot (after RoPE): both in the residual stream's dtype
         return (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_bytes
-    return 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    return spec.num_kv_heads * spec.head_dim * (kv_bytes + (kv_bytes if v_bytes is None else v_bytes))
 
 
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
@@ -39,13 +43,14 @@ def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
     return tuple(window.get(t) for t in types)
 
 
-def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, prefill: bool = False) -> int:
+def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, prefill: bool = False,
+                   v_bytes: int | None = None) -> int:
     """kv_bytes_per_token * sequences * the tokens each layer's storage holds after a
     step over `length` tokens of context. transformers 5.23 DynamicCache (cache_utils.py): a full layer holds
     every token; a sliding layer (DynamicSlidingWindowLayer.update) keeps a view of the last window - 1 tokens
     of torch.cat(old, new), so its storage is the cat's: after a decode step min(length, window) tokens, but
     after the prefill (`prefill`) the whole prompt, until the first decode step replaces it."""
-    per_token = kv_bytes_per_token(spec, kv_bytes)
+    per_token = kv_bytes_per_token(spec, kv_bytes, v_bytes)
     tokens = sum(length if (w is None or prefill) else min(length, w) for w in layer_windows(spec))
     return per_token * sequences * tokens
 
@@ -56,6 +61,16 @@ def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
     return fmt.linear if quantisable else fmt.other
 
 
+def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
+    """(all, head, MLP) half copies autocast keeps of the fp32 weights while serving (states.autocast_copies);
+    only the head's where the layers' casts are not cached (Falcon: families.Family.autocast_caches_layer_weights)."""
+    cache, cache_head, cache_mlp = autocast_copies(list(spec.params), spec.vocab_size * spec.hidden_size
+                                                   if tied_head(spec) else 0)
+    if not family(spec.model_type).autocast_caches_layer_weights:
+        return cache_head, cache_head, 0
+    return cache, cache_head, cache_mlp
+
+
 def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     """The largest of the moments of a serving step (docs/estimator.md, "Inference"): inside the prefill's last
     layer (the layers' autocast copies cast, the head's not yet), at the prefill's head, the last decode step."""
@@ -64,21 +79,20 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     p = FP32 if fmt.compute == "fp32" else HALF  # matmul outputs
     r = FP32 if fmt.compute == "fp32" or autocast else HALF  # the residual stream: the fp32 weights' under autocast
     # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
-    # under autocast k is fp32, and DynamicLayer.lazy_initialization starts both caches in k's dtype: the
-    # torch.cat with them promotes v too (traced)
+    # under autocast k is fp32 and is cached so; v, a projection's output, stays in the matmul dtype
+    # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
     kv_b = r if rotary_in_stream_dtype(spec) else p
     notes: list[str] = []
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g)) + round_block(spec.buffer_bytes)
-    tied = spec.vocab_size * spec.hidden_size if tied_head(spec) else 0
-    cache, cache_head, cache_mlp = autocast_copies(list(spec.params), tied) if autocast else (0, 0, 0)
+    cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
     ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate)
     length, static = w.seq_len + w.max_new_tokens, w.kv_cache == "static"
     # StaticCache allocates each layer's whole length (a sliding layer's window) at its first update
     # (StaticLayer.lazy_initialization); DynamicCache holds the prompt
-    kv_prompt = 0 if not generate else kv_cache_bytes(spec, seqs, length, kv_b) if static else \
-        kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True)
+    kv_prompt = 0 if not generate else kv_cache_bytes(spec, seqs, length, kv_b, v_bytes=p) if static else \
+        kv_cache_bytes(spec, seqs, w.seq_len, kv_b, prefill=True, v_bytes=p)
     # the last layer's attention runs before its MLP's weights are cast, its gate * up before down_proj's
     last_mlp = cache_mlp // max(spec.total_layers, 1)
     last_down = last_mlp // (3 if spec.mlp == "gated" else 2)
@@ -89,15 +103,15 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
         last_kv = kv_prompt // max(len(layer_windows(spec)), 1)
         moments["prefill rotary"] = (cache - cache_head - last_mlp, kv_prompt - last_kv, ws["rotary"])
     if generate:
-        kv_end = kv_cache_bytes(spec, seqs, length, kv_b)
         # the last decode step, or the first (sliding layers still hold the prompt): DynamicLayer.update's
         # torch.cat makes a layer's old and new keys live together, then its old and new values. StaticCache
         # writes in place (index_copy_), but a full sliding layer rolls its window through a torch.cat
         # (StaticSlidingWindowLayer.update)
-        kv = max(kv_end, kv_prompt)
+        kv = max(kv_cache_bytes(spec, seqs, length, kv_b, v_bytes=p), kv_prompt)
         windows = [x for x in layer_windows(spec) if x]
         grow_tokens = (min(max(windows), length) if windows else 0) if static else length
-        grow = kv_bytes_per_token(spec, kv_b) * seqs * grow_tokens // 2
+        key_width = spec.kv_lora_rank if spec.is_mla else spec.num_kv_heads * spec.head_dim  # MLA's keys: the latent
+        grow = key_width * kv_b * seqs * grow_tokens
         step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length)
         cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
         moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
@@ -115,7 +129,8 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total,
-                parts["transient"], parts["weights"] + parts["kv_cache"])
+                parts["transient"], parts["weights"] + parts["kv_cache"],
+                inference_throughput(spec, gpu, w, parts["transient"], parts["weights"] + parts["kv_cache"]))
 
 
 def _rounded_total(ts: list[Tensors]) -> int:

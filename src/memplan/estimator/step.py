@@ -287,7 +287,9 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
     return Peak(parts, phases, PHASES[i], _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers),
                 _per_layer_terms(spec, w), allocated, reserved, int(t.device_used[b, k]), int(t.cpu_per_gpu[b, k]),
-                int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]))
+                int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]),
+                cost.workload_rates(spec, gpu, w, w.micro_batch, w.grad_accum, float(t.step[b, k]),
+                                    cost.StepTime(*t.terms[:, b, k].tolist())))
 
 
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:

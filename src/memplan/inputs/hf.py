@@ -45,9 +45,9 @@ CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     (r"(embed|wte|wpe|\.shared\.|^shared\.|patch_embeddings|cls_token|relative_attention_bias|project_in|project_out)",
      "embeddings"),
     (r"\.experts\.", "experts"),
-    (r"(block_sparse_moe|\.moe|\.mlp)\.gate\.", "router"),
+    (r"((block_sparse_moe|\.moe|\.mlp)\.gate|feed_forward\.router)\.", "router"),
     (r"(attn|attention|Attention|q_lin|k_lin|v_lin|out_lin)", "attention"),
-    (r"(mlp|intermediate|\.output\.dense|ffn|fc1|fc2|DenseReluDense|lin1|lin2|block_sparse_moe)", "mlp"),
+    (r"(mlp|intermediate|\.output\.dense|ffn|fc1|fc2|DenseReluDense|lin1|lin2|block_sparse_moe|feed_forward)", "mlp"),
 )
 
 
@@ -338,7 +338,11 @@ def _layer_fields(cfg: Any) -> dict[str, Any]:
     """Per-layer attention kinds (config.layer_types, which transformers 5 fills in for the families that mix
     them) and Llama 4's attention chunk."""
     types = getattr(cfg, "layer_types", None) or ()
-    return dict(layer_types=tuple(str(t) for t in types), attention_chunk_size=_get(cfg, "attention_chunk_size"))
+    out = dict(layer_types=tuple(str(t) for t in types), attention_chunk_size=_get(cfg, "attention_chunk_size"))
+    rope = getattr(cfg, "no_rope_layers", None)  # Llama 4: 1 where a layer has RoPE
+    if family(cfg.model_type).qk_norm == "l2":  # Llama4TextAttention: qk_norm only if use_qk_norm and use_rope
+        out["qk_norm_layers"] = sum(rope) if cfg.use_qk_norm else 0
+    return out
 
 
 def _moe_fields(cfg: Any) -> dict[str, Any]:

@@ -122,6 +122,9 @@ class ModelSpec(Derived):
     # keys)); (): the config has no layer_types.
     layer_types: tuple[str, ...] = ()
     attention_chunk_size: int | None = None
+    # Layers with the family's q/k norm (families.Family.qk_norm) where not all have it: Llama 4's L2 norm runs on
+    # its RoPE layers under use_qk_norm (Llama4TextAttention); None: every layer.
+    qk_norm_layers: int | None = None
     # -- mixture of experts (num_experts > 1) ------------------------------------------------------------
     # intermediate_size is the dense MLP's width; a routed expert's may differ (Qwen3-MoE, DeepSeek-V3,
     # GLM-4-MoE: moe_intermediate_size; Llama 4: intermediate_size, its dense layers intermediate_size_mlp).

@@ -6,7 +6,8 @@ FLOPs: 6 * N per token for forward + backward of the dense parameters (Kaplan et
 Laws", C = 6N), 2 * N more under full recompute and the attention core's forward again under selective
 recompute (Korthikanti et al. 2022), plus attention's score and
 context matmuls, 4 * s * a * d per layer per token forward (12 with backward), halved for causal
-masks in fused kernels that skip masked tiles. MoE counts only the K routed experts per token.
+masks in fused kernels that skip masked tiles. MoE counts only the K routed experts per token
+(model FLOPs, and hardware FLOPs but for Llama 4, whose experts run on every token: idle_expert_params).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from memplan.estimator.families import family
 from memplan.estimator.rules import FP32, HALF
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -59,6 +61,14 @@ def active_params(spec: ModelSpec) -> int:
     return dense + experts
 
 
+def idle_expert_params(spec: ModelSpec) -> int:
+    """Expert parameters the hardware multiplies by although the router zeroed them: Llama 4 runs every token
+    through every expert (families.Family.moe_all_experts), so E - K of its E experts; 0 for a routed MoE."""
+    if not (spec.is_moe and family(spec.model_type).moe_all_experts):
+        return 0
+    return spec.params_by_category().get("experts", 0) * (spec.num_experts - spec.experts_per_token) // spec.num_experts
+
+
 def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
                     fused_loss: bool = False, tiled_mlp: bool = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step. recompute: none,
@@ -70,7 +80,8 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
     attn_fwd = 2 * seq * spec.num_heads * (spec.head_dim + spec.value_head_dim) * spec.total_layers * (
         0.5 if causal else 1.0)
     model = 6 * n + 3 * attn_fwd
-    hw = model + {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[recompute]
+    idle = idle_expert_params(spec)
+    hw = model + 6 * idle + {"none": 0, "selective": attn_fwd, "full": 2 * (n + idle) + attn_fwd}[recompute]
     if fused_loss:  # the fused loss recomputes the logits in backward: the LM head's forward again
         hw += 2 * spec.hidden_size * spec.vocab_size
     if tiled_mlp and not spec.is_moe:  # the tiled MLP recomputes each layer's MLP forward in backward
@@ -262,13 +273,23 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_ac
     tokens = w.micro_batch * seq
     peak = peak_tflops(gpu, w.precision)
     fwd = 2 * active_params(spec) * tokens
-    t = fwd / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
+    t = (fwd + 2 * idle_expert_params(spec) * tokens) / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
         gpu.memory_bandwidth_gbs * 1e9)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
 
 
 def _col(values) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)[:, None]
+
+
+def workload_rates(spec: ModelSpec, gpu: GPUProfile, w: Workload, mb: int, m: int, step: float,
+                   terms: StepTime | None = None, model_flops: float | None = None) -> Throughput:
+    """The rates of a training step of `step` seconds for the workload w run at micro batch mb x m micro batches
+    (the search's cells and estimate's one configuration); model_flops: flops_per_token's model FLOPs, when the
+    caller has them."""
+    seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
+    f = flops_per_token(spec, seq, w.attn, w.grad_ckpt)[0] if model_flops is None else model_flops
+    return rates(w, mb, m, seq, step, f, peak_tflops(gpu, w.precision), terms)
 
 
 def rates(w: Workload, mb: int, m: int, seq: int, step: float, model_flops_per_token: float, peak: float,

@@ -14,7 +14,7 @@ from memplan.estimator.step import cell_peak, evaluate, peak, report
 from memplan.inputs import constraints
 from memplan.inputs.defaults import host_ram as default_host_ram
 from memplan.inputs.workload import Workload
-from memplan.search.cost import StepTime, flops_per_token, inference_throughput, peak_tflops, rates
+from memplan.search.cost import StepTime, flops_per_token, inference_throughput, workload_rates
 from memplan.search.plan import Plan
 from memplan.search.rank import Candidate
 from memplan.search.request import SearchRequest
@@ -88,13 +88,12 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     seq_eff = spec.seq_positions if spec.arch == "vision" else sp.seq
     flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp.attns for g in sp.ckpts}
     model_f = [flops[(w.attn, w.grad_ckpt)] for w in ws]  # model FLOPs: no recompute
-    peak_tf = [peak_tflops(gpu, w.precision) for w in ws]
     used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
     found = []
     rows, cols = np.nonzero(fits)
     for b, k in zip(rows.tolist(), cols.tolist()):
         w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
-        r = rates(w, mb, m, seq_eff, steps[b][k], model_f[b], peak_tf[b], StepTime(*terms[b][k]))
+        r = workload_rates(spec, gpu, w, mb, m, steps[b][k], StepTime(*terms[b][k]), model_f[b])
         found.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
     return Found(found, int(valid.sum()), short)
 

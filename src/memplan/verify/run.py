@@ -276,9 +276,13 @@ def run_traced(config, head: str | None, w: Workload, sm: tuple[int, int], devic
 
 
 def _is_moe(config) -> bool:
+    """A MoE model whose fp32 routing has data-dependent shapes: not Llama 4's, which runs every token through
+    every expert (families.Family.moe_all_experts)."""
+    from memplan.estimator.families import family
     from memplan.inputs.hf import is_moe_config
 
-    return is_moe_config(config)
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return is_moe_config(config) and not family(model_type).moe_all_experts
 
 
 def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
