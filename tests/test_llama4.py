@@ -110,3 +110,6 @@ def test_estimate_agrees_with_the_fake_trace(args):
 
     r = run(model=str(CONFIG), gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=512, attn="sdpa", **args)
     assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
+    if args["task"] == "train":  # full checkpointing: at backward's start autocast's copies are the head's only
+        cache = r.breakdown["autocast_cache"]
+        assert cache["predicted"] == cache["measured"] == 8192 * 256 * 2, cache

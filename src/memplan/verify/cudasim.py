@@ -176,15 +176,49 @@ class CudaSemantics(TorchFunctionMode):
             bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if mask is not None else None
             return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, p, causal,
                                                                           scale=scale)[0]
-        # Real CPU tensors: the fused CPU kernel saves the same (output + log-sum-exp); it has no dropout.
-        if q.shape[-3] != k.shape[-3]:
+        # Real CPU tensors: the fused CPU kernel, kept to what CUDA's kernel keeps (_CpuAttention); it has no dropout.
+        if kernel == "efficient" and q.shape[-3] != k.shape[-3]:  # CUDA's efficient kernel saves the expanded k, v
             k, v = _repeat_kv(k, q.shape[-3]), _repeat_kv(v, q.shape[-3])
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[0]
+        return _CpuAttention.apply(q, k, v, mask, causal, scale)
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+class _CpuAttention(torch.autograd.Function):
+    """torch's fused CPU attention with the memory of CUDA's flash / efficient kernels: it saves q, k, v as given
+    (CUDA's flash kernel takes grouped k, v natively: the CPU kernel's expanded copies are made again in backward,
+    not kept), the output laid out (b, s, heads, d) as CUDA's kernels allocate it (so transformers'
+    transpose(1, 2).contiguous() is a view, not a copy) and the log-sum-exp. Gradients are the CPU kernel's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale):
+        kr, vr = _expanded(q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal, attn_mask=mask,
+                                                                              scale=scale)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        kr, vr = _expanded(q, k, v)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, kr, vr, out.contiguous(), lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale)
+        group = q.shape[-3] // k.shape[-3]
+        if group > 1:  # each kv head's gradient is the sum over its query group (repeat_interleave's backward)
+            dk, dv = (g.unflatten(-3, (k.shape[-3], group)).sum(-3) for g in (dk, dv))
+        return dq, dk, dv, None, None, None
+
+
+def _expanded(q, k, v):
+    """k and v at the query's heads (the CPU kernel has no grouped-query attention)."""
+    if q.shape[-3] == k.shape[-3]:
+        return k, v
+    return _repeat_kv(k, q.shape[-3]), _repeat_kv(v, q.shape[-3])
 
 
 def _has_positional_dtype(name: str, args: tuple) -> bool:
