@@ -376,6 +376,12 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     if extra:
         out.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed, extra))
     out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
+    if prec.autocast and biased_experts(spec):
+        # GptOssExperts adds an fp32 bias to each expert matmul's half output (current_state @ W[e] + bias[e]),
+        # which promotes gate_up (2f) and the down output (h) to fp32: the saved gate_up halves and the weighted
+        # output's input are twice the half width counted above (traced, CPU: 12 MiB of gpt-oss-small's 384)
+        out.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act) * (2 * spec.expert_width + h)
+                           * routed, rep=True))
     if spec.shared_expert_intermediate_size:
         # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
         # (DeepseekV3MoE / Glm4MoeMoE shared_experts, Llama4TextMoe shared_expert)
@@ -409,6 +415,11 @@ def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     out += _mlp(spec, R, prec, spec.expert_width)
     out += _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
     return out
+
+
+def biased_experts(spec: ModelSpec) -> bool:
+    """The fused experts carry biases (gpt-oss: gate_up_proj_bias E x 2f, down_proj_bias E x h)."""
+    return any(g.category == "experts" and len(g.shape) == 2 for g in spec.params)
 
 
 def routed_rows(spec: ModelSpec, T: int) -> int:
@@ -815,7 +826,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     # biased experts (gpt-oss: gate_up_proj_bias, E x 2f) gather each routed token's bias row before the
     # grouped matmul adds it (integrations/moe.py grouped_mm_experts_forward: gate_up_proj_bias[expert_ids_g]),
     # a copy as large as the gate_up output, alive through the activation (traced)
-    if any(g.category == "experts" and len(g.shape) == 2 for g in spec.params):
+    if biased_experts(spec):
         n_f += 2 if spec.mlp == "gated" else 1
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
 
