@@ -87,6 +87,16 @@ def test_scout_catalog_entry():
     assert (s.num_experts, s.experts_per_token, s.qk_norm_layers, s.dense_layers) == (16, 1, 36, 0)
 
 
+def test_the_tiled_kernels_are_refused_by_name():
+    """Llama 4's MoE layers have no dense MLP to tile, and its chunked masks no memplan attention."""
+    import memplan
+    from memplan.errors import UserError
+
+    for kw, says in ((dict(tiled_mlp=True), "--tiled-mlp"), (dict(attn="memplan"), "llama4_text")):
+        with pytest.raises(UserError, match=says):
+            memplan.estimate("llama-4-scout-17b-16e", "h100-80g", micro_batch=1, seq_len=1024, precision="bf16", **kw)
+
+
 def test_fused_loss_matches_transformers():
     """memplan.kernels.apply's fused loss on Llama4ForCausalLM: the same loss and gradients as its own."""
     import torch

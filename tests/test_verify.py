@@ -264,3 +264,25 @@ def test_static_kv_cache_is_allocated_up_front():
     assert abs(rep.meters[0].error_pct) < 1.0, rep.meters[0]
     with pytest.raises(UserError, match="applies to generation"):
         api.estimate("gpt2", "a100-80g", task="infer", precision="fp16", kv_cache="static")
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_cpu_attention_keeps_cudas_memory_and_the_cpu_kernels_numbers(kv_heads):
+    """verify --device cpu's attention (cudasim._CpuAttention): torch's own SDPA loss and gradients, with or
+    without grouped k, v; autograd keeps k and v as given (not the CPU kernel's copies expanded to every head)
+    and the output laid out (b, s, heads, d), so transformers' transpose(1, 2).contiguous() copies nothing."""
+    import torch
+    from memplan.verify.cudasim import _CpuAttention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 32, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 16, 32, requires_grad=True) for _ in range(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = _CpuAttention.apply(q, k, v, None, True, None)
+    saved = [t.shape for t in out.grad_fn.saved_tensors if t is not None]
+    assert saved[:3] == [q.shape, k.shape, v.shape]
+    assert out.transpose(1, 2).is_contiguous()
+    g = torch.randn_like(ref)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)

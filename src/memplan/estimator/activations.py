@@ -128,7 +128,7 @@ def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
         out += [Tensors(f"{name}_norm fp32 input", share * FP32 * heads * d * T, rep=rep),
                 Tensors(f"{name}_norm rstd", share * FP32 * (heads if per_head else 1) * T, rep=rep)]
         if fam.qk_norm != "l2":
-            out.append(Tensors(f"{name}_norm normalised", normalised * heads * d * T, rep=rep,
+            out.append(Tensors(f"{name}_norm normalised", share * normalised * heads * d * T, rep=rep,
                                kind=TensorKind.NORM_INPUT))
     return out
 
@@ -298,8 +298,7 @@ def checkpoint_masks(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str
     second boolean tensor of the same size (and_masks' intermediate) that this leaves out."""
     if spec.arch != "decoder":
         return []
-    local = "sliding_attention" if spec.sliding_window else "chunked_attention" if spec.attention_chunk_size else None
-    kinds = set(spec.layer_types) or {local or "full_attention"}
+    kinds = set(spec.attention_kinds)
     if attn == "eager":
         return [Tensors("attention masks (held by the checkpointed layers)", prec.residual * b * s * s, len(kinds))]
     if not sdpa_masked(spec, s):
@@ -869,8 +868,9 @@ def _inference_sdpa_extras(spec: ModelSpec, b: int, s: int, p: int, r: int, cont
 
 def rotary_in_stream_dtype(spec: ModelSpec) -> bool:
     """Whether RoPE runs in the residual stream's dtype (cos / sin cast to the hidden states': fp32 under
-    autocast), which makes q, k and the KV cache fp32 there; Falcon casts them to the value's instead."""
-    return spec.position == "rotary" and not family(spec.model_type).rope_in_value_dtype
+    autocast), which makes q, k and the KV cache fp32 there; Llama 4's keeps the projection's dtype instead
+    (families.Family.rope_keeps_proj_dtype)."""
+    return spec.position == "rotary" and not family(spec.model_type).rope_keeps_proj_dtype
 
 
 def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -12,6 +12,9 @@ from memplan.estimator.finetune import Tuning, tuned_params
 from memplan.inputs.modelspec import ModelSpec, category_totals
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
+
+if TYPE_CHECKING:
+    from memplan.search.cost import Throughput
 
 # weights: the base model (without its quantisation constants); adapter_weights: LoRA adapters and the
 # trained copies of modules_to_save; quant_constants: bitsandbytes' absmax / code / scales;
@@ -83,7 +86,7 @@ class Peak(NamedTuple):
     params_per_gpu: int
     saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
     state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
-    rates: Any = None  # search.cost.Throughput of this configuration (the speed model's prediction)
+    rates: Throughput | None = None  # the speed model's prediction for this configuration
 
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:

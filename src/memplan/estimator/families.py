@@ -80,7 +80,7 @@ class Family:
     # RoPE's output keeps the projections' dtype, not the residual stream's (Llama 4's apply_rotary_emb:
     # type_as(xq); FalconModel computes cos / sin from the hidden states, as llama does), so under autocast q, k
     # and the KV cache stay half
-    rope_in_value_dtype: bool = False
+    rope_keeps_proj_dtype: bool = False
     # score-sized tensors alive at once in the family's own eager attention (FalconAttention: the scores in the
     # matmul dtype, then the scores plus the float mask and softmax(..., dtype=hidden_states.dtype), two results
     # at its peak, in the hidden states' dtype, fp32 under autocast); 0: transformers' eager_attention_forward
@@ -247,7 +247,7 @@ FAMILIES: dict[str, Family] = {
     # moe_layers. PEFT 0.21 keys its default LoRA targets by "llama4", not "llama4_text", so it has none.
     # memplan's tiled attention is left out (chunked layers send it to its eager fallback)
     "llama4_text": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, qk_norm="l2", moe_all_experts=True,
-                          rope_in_value_dtype=True, sdpa_mask="window", fused_loss_causal_base="model"),
+                          rope_keeps_proj_dtype=True, sdpa_mask="window", fused_loss_causal_base="model"),
     # Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj
     "phi3": Family(**_ROTARY_GATED, qkv_linears=1, gated_up_linears=1),
     # DeepseekV3Attention: multi-head latent attention (ModelSpec.is_mla; activations._mla_attention), RMSNorm,

@@ -34,13 +34,9 @@ def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = Non
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
     """Each cached layer's window: the keys a sliding-window layer keeps (sliding_window), or a chunked one
     (Llama 4's attention_chunk_size: transformers caches it as a sliding window, cache_utils.py
-    LAYER_TYPE_MAPPING); None for a full-attention layer. Without config.layer_types transformers infers them
-    from the config: every layer slides when there is a window (cache_utils.py get_layer_types_and_kwargs)."""
-    layers = spec.num_decoder_layers if spec.arch == "encoder-decoder" else spec.num_layers
-    types = spec.layer_types or (("sliding_attention" if spec.sliding_window else
-                                  "chunked_attention" if spec.attention_chunk_size else "full_attention"),) * layers
+    LAYER_TYPE_MAPPING); None for a full-attention layer (ModelSpec.attention_kinds)."""
     window = {"sliding_attention": spec.sliding_window, "chunked_attention": spec.attention_chunk_size}
-    return tuple(window.get(t) for t in types)
+    return tuple(window.get(t) for t in spec.attention_kinds)
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, prefill: bool = False,
@@ -128,9 +124,9 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     allocated, reserved, used = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
-    return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total,
-                parts["transient"], parts["weights"] + parts["kv_cache"],
-                inference_throughput(spec, gpu, w, parts["transient"], parts["weights"] + parts["kv_cache"]))
+    saved, state = parts["transient"], parts["weights"] + parts["kv_cache"]
+    return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total, saved, state,
+                inference_throughput(spec, gpu, w, saved, state))
 
 
 def _rounded_total(ts: list[Tensors]) -> int:

@@ -151,9 +151,9 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     held = np.maximum(1, np.round(flight)).astype(np.int64)
     copies, frozen_copies = recorded * held, (f_enc + f_dec) * held
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
-                      st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd, c_start,
-                      acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies, frozen_copies,
-                      n_layers)
+                      st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
+                      c_start, acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies,
+                      frozen_copies, n_layers)
 
 
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:

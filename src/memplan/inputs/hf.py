@@ -339,9 +339,8 @@ def _layer_fields(cfg: Any) -> dict[str, Any]:
     them) and Llama 4's attention chunk."""
     types = getattr(cfg, "layer_types", None) or ()
     out = dict(layer_types=tuple(str(t) for t in types), attention_chunk_size=_get(cfg, "attention_chunk_size"))
-    rope = getattr(cfg, "no_rope_layers", None)  # Llama 4: 1 where a layer has RoPE
     if family(cfg.model_type).qk_norm == "l2":  # Llama4TextAttention: qk_norm only if use_qk_norm and use_rope
-        out["qk_norm_layers"] = sum(rope) if cfg.use_qk_norm else 0
+        out["qk_norm_layers"] = sum(cfg.no_rope_layers) if cfg.use_qk_norm else 0  # no_rope_layers: 1 = RoPE
     return out
 
 

@@ -198,6 +198,17 @@ class ModelSpec(Derived):
         return self.num_layers + self.num_decoder_layers
 
     @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        """Each decoder layer's attention kind: config.layer_types, or what transformers infers without them
+        (every layer slides when there is a window, is chunked with Llama 4's attention_chunk_size; cache_utils.py
+        get_layer_types_and_kwargs)."""
+        if self.layer_types:
+            return self.layer_types
+        layers = self.num_decoder_layers if self.arch == "encoder-decoder" else self.num_layers
+        return ("sliding_attention" if self.sliding_window else
+                "chunked_attention" if self.attention_chunk_size else "full_attention",) * layers
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
 

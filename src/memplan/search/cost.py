@@ -273,7 +273,8 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_ac
     tokens = w.micro_batch * seq
     peak = peak_tflops(gpu, w.precision)
     fwd = 2 * active_params(spec) * tokens
-    t = (fwd + 2 * idle_expert_params(spec) * tokens) / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
+    hw = fwd + 2 * idle_expert_params(spec) * tokens
+    t = hw / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
         gpu.memory_bandwidth_gbs * 1e9)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
 

@@ -14,7 +14,7 @@ from memplan.estimator.step import cell_peak, evaluate, peak, report
 from memplan.inputs import constraints
 from memplan.inputs.defaults import host_ram as default_host_ram
 from memplan.inputs.workload import Workload
-from memplan.search.cost import StepTime, flops_per_token, inference_throughput, workload_rates
+from memplan.search.cost import StepTime, flops_per_token, workload_rates
 from memplan.search.plan import Plan
 from memplan.search.rank import Candidate
 from memplan.search.request import SearchRequest
@@ -65,8 +65,7 @@ def _infer(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
             w = base.model_copy(update={"micro_batch": mb, "grad_accum": per_rank // mb})
             p = peak(spec, gpu, w)
             if p.device_used <= usable:
-                thr = inference_throughput(spec, gpu, w, p.saved_activations, p.state_bytes)
-                found.append(Candidate(base, mb, per_rank // mb, p.device_used, usable - p.device_used, thr))
+                found.append(Candidate(base, mb, per_rank // mb, p.device_used, usable - p.device_used, p.rates))
     return Found(found, len(ws) * len(mbs))
 
 

@@ -171,14 +171,13 @@ class CudaSemantics(TorchFunctionMode):
         if self.fake and kernel == "flash" and mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
         if self.fake:
-            if q.shape[-3] != k.shape[-3]:  # efficient has no GQA: torch expands k, v first
-                k, v = _repeat_kv(k, q.shape[-3]), _repeat_kv(v, q.shape[-3])
+            k, v = _expanded(q, k, v)  # efficient has no GQA: torch expands k, v first
             bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if mask is not None else None
             return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, p, causal,
                                                                           scale=scale)[0]
         # Real CPU tensors: the fused CPU kernel, kept to what CUDA's kernel keeps (_CpuAttention); it has no dropout.
-        if kernel == "efficient" and q.shape[-3] != k.shape[-3]:  # CUDA's efficient kernel saves the expanded k, v
-            k, v = _repeat_kv(k, q.shape[-3]), _repeat_kv(v, q.shape[-3])
+        if kernel == "efficient":  # CUDA's efficient kernel saves the expanded k, v
+            k, v = _expanded(q, k, v)
         return _CpuAttention.apply(q, k, v, mask, causal, scale)
 
 
