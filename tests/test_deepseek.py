@@ -86,7 +86,12 @@ def test_catalog_entries_and_refusals():
         memplan.estimate("deepseek-v3", "h100-80g", attn="flash")
     big = memplan.estimate("deepseek-v3", "h100-80g", gpus=8, nodes=32, zero=3, precision="bf16", seq_len=4096,
                            grad_ckpt="full")
-    assert big.peak_allocated_bytes < 80 * 2**30
+    # transformers 5 fuses a layer's 256 experts into one module (11.27 B parameters), which ZeRO-3 gathers whole
+    # (docs/parallel.md): its coalesced fetch buffer, the copied-out parameters and their gradients, 63 GiB in
+    # bf16, so ZeRO-3 alone does not fit DeepSeek-V3 on 80 GB GPUs at any scale
+    unit = 256 * 3 * 7168 * 2048
+    assert big.breakdown["gathered_params"] >= 3 * unit * 2
+    assert big.peak_allocated_bytes > 80 * 2**30
 
 
 def test_fast_accuracy_case_within_two_percent():

@@ -89,6 +89,49 @@ def test_model_states_against_deepspeed_estimators(ds_estimators, model, gpus, n
             assert z.gathered >= 2 * largest
 
 
+Z3_MODELS = ("llama-2-7b", "llama-3.1-70b", "mixtral-8x7b")
+
+
+def _ds_largest_layer(spec):
+    """DeepSpeed's largest_layer_params: the most parameters one module owns itself (stage3.py model_to_params,
+    recurse=False), which never treats a z3 leaf (Mixtral's MoE block) as one module."""
+    from memplan.estimator.parallel import fetch_unit
+
+    own = spec.model_copy(update={"model_type": "llama"})  # the same paths, no z3 leaf
+    return fetch_unit(own, list(spec.params))
+
+
+@pytest.mark.parametrize("model", Z3_MODELS)
+def test_zero3_never_below_deepspeeds_estimator(ds_estimators, model):
+    """llama-2-7b, llama-3.1-70b and mixtral-8x7b at 8 / 64 / 512 GPUs, offload none / optimizer / all: memplan's
+    ZeRO-3 model states on one GPU in backward (weights, gradients, optimizer states, reduce bucket, gathered
+    parameters with the fetch unit's full gradients) against estimate_zero3_model_states_mem_needs given the real
+    largest module. memplan is never below it but where it says why:
+    - offload none: DeepSpeed counts 18 bytes per P/N, a 4-byte gradient partition; 0.19.8 keeps the partition in
+      the model's dtype unless grad_accum_dtype says otherwise (stage3.py: grad_partitions_flat_buffer of
+      gradient_accumulation_dtype, by default the param dtype): 16 bytes, so memplan may be 2 P/N lower, never more.
+    Everything else memplan holds beyond DeepSpeed's estimate is what the estimator leaves out: the coalesced fetch
+    buffer beside the copied-out parameters, the prefetch bucket, the parameters kept for reuse at the turn to
+    backward, the persistent parameters and the reduce bucket."""
+    _, zero3 = ds_estimators
+    from memplan.estimator.parallel import fetch_unit
+
+    spec = memplan.resolve_model(model)
+    P, LL = spec.params_total, _ds_largest_layer(spec)
+    if model == "mixtral-8x7b":  # the real fetch unit: the whole sparse MoE block, router and fused experts
+        assert LL == 3 * 8 * 4096 * 14336 and fetch_unit(spec, list(spec.params)) == LL + 8 * 4096
+    for gpus, nodes in ((8, 1), (8, 8), (8, 64)):
+        n = gpus * nodes
+        for offload in ("none", "optimizer", "all"):
+            z = _states(list(spec.params), spec, 3, n, offload)
+            ours = z.weights + z.gradients + z.optimizer_states + z.comm_buffers + z.gathered
+            _, ds, _ = zero3(total_params=P, largest_layer_params=LL, num_gpus_per_node=gpus, num_nodes=nodes,
+                             cpu_offload=offload != "none", cpu_offload_params=offload == "all", zero_init=True)
+            allowance = 2 * P / n if offload == "none" else 0  # the 2-byte gradient partition (docstring)
+            assert ours >= ds - allowance, (model, n, offload, ours / GB, ds / GB)
+            assert z.gathered >= 4 * LL  # DeepSpeed's 4 x largest layer: its parameters and gradients
+
+
 def _persistent(spec):
     thr = 10 * spec.hidden_size  # the stage3_param_persistence_threshold memplan emits
     return sum(g.numel * g.count for g in spec.params if g.numel <= thr)

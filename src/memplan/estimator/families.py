@@ -98,6 +98,11 @@ class Family:
     # and post_feedforward_layernorm before each residual add), so attention and MLP read the residual stream
     # itself: in serving no norm output lives beside it (activations.inference_working_set, as BERT's post-norm)
     post_norm_layers: bool = False
+    # The module DeepSpeed ZeRO-3 fetches whole, with every descendant's parameters, as a "z3 leaf": DeepSpeed
+    # 0.19.8 marks MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock and Qwen3MoeSparseMoeBlock by default
+    # (runtime/zero/leaf_module_config.py; the engine applies zero_optimization.leaf_module): the block's path
+    # suffix under a layer ("mlp"); "": none (each module fetches its own parameters)
+    z3_leaf: str = ""
 
 
     # -- what memplan and transformers can run -------------------------------------------------------------
@@ -196,7 +201,7 @@ FAMILIES: dict[str, Family] = {
     # first (transformers_weight_conversion.py _convert_peft_config_moe turns target_modules=None into an
     # empty set), so the default is never applied and get_peft_model raises "No `target_modules` passed"
     # (tests/test_finetune.py checks it still does)
-    "mixtral": Family(**_ROTARY_GATED, lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
+    "mixtral": Family(**_ROTARY_GATED, z3_leaf="mlp", lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
                                                            ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Glm4MoeMoE: DeepSeek-V3's MoE (sigmoid router in fp32 with group-limited top-k, a shared expert,
@@ -215,7 +220,7 @@ FAMILIES: dict[str, Family] = {
     # Qwen3MoeSparseMoeBlock: Mixtral's top-k softmax router (norm_topk_prob) over transformers 5's fused experts
     # (Qwen3MoeExperts), experts moe_intermediate_size wide, dense layers at mlp_only_layers / decoder_sparse_step;
     # qwen3's attention with per-head q/k norms. PEFT 0.21 has no default LoRA targets for qwen3_moe
-    "qwen3_moe": Family(**_ROTARY_GATED, qk_norm="head", fused_loss_causal_base="model", memplan_attention=True),
+    "qwen3_moe": Family(**_ROTARY_GATED, z3_leaf="mlp", qk_norm="head", fused_loss_causal_base="model", memplan_attention=True),
     # Qwen3Attention: q_norm / k_norm over head_dim before RoPE, no qkv bias; otherwise llama's layer
     "qwen3": Family(**_ROTARY_GATED, lora_targets=_QV, qk_norm="head", **_KERNELS),
     # Olmo2DecoderLayer: no input norm; post_attention_layernorm after the attention and post_feedforward_layernorm

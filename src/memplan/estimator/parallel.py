@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from memplan.estimator.families import family
 from memplan.estimator.finetune import element_bytes, stored_tensors
 from memplan.estimator.rules import FP32, HALF, OptimRule, Precision
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
@@ -41,8 +42,8 @@ def ds_buckets(spec: ModelSpec) -> dict[str, int]:
             "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS}
 
 
-def _group(category: str, shape: tuple[int, ...], count: int, trainable: bool) -> ParamGroup:
-    return ParamGroup.model_construct(category=category, shape=shape, count=count, trainable=trainable)
+def _group(category: str, shape: tuple[int, ...], count: int, trainable: bool, module: str = "") -> ParamGroup:
+    return ParamGroup.model_construct(category=category, shape=shape, count=count, trainable=trainable, module=module)
 
 
 def _tp_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -70,10 +71,10 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGro
         shape = _tp_shape(g.shape, tp) if g.category in TP_SPLIT else g.shape
         per_layer = g.count // L if g.category in LAYER_CATEGORIES else 0
         if per_layer and n_layers:
-            out.append(_group(g.category, shape, per_layer * n_layers, g.trainable))
+            out.append(_group(g.category, shape, per_layer * n_layers, g.trainable, g.module))
         rest = g.count - per_layer * L
         if rest and ((first and g.category == "embeddings") or (last and g.category != "embeddings")):
-            out.append(_group(g.category, shape, rest, g.trainable))
+            out.append(_group(g.category, shape, rest, g.trainable, g.module))
     if last and pp > 1 and tied_head(spec):
         # the last stage keeps its own copy of the tied matrix; the two copies' gradients are all-reduced
         out.append(_group("head", _tp_shape((spec.vocab_size, spec.hidden_size), tp), 1, True))
@@ -204,7 +205,10 @@ def _zero3_states(ts: list[ParamGroup], spec: ModelSpec, n: int, offload: str, p
     if offload != "none":
         cpu += opt + grads + FP32 * part(Pt)
         opt, grads, step = 0, 0, 0
-    gathered = gathered_numel(spec, ts) * pb
+    # the gathered parameters and, in backward, the fetch unit's full gradients before their reduce-scatter (a z3
+    # leaf's wait in .grad for the module's backward hook; a larger-than-bucket one until the next hook: stage3.py
+    # reduce_partition_and_remove_grads), DeepSpeed's own "4 x largest layer" (2 bytes of each)
+    gathered = (gathered_numel(spec, ts) + fetch_unit(spec, ts)) * pb
     # the trained parameters' share: each whole below the persistence threshold, else its part
     trained = sum(t.total if t.numel <= thr else (0 if offload == "all" else part(t.total)) for t in ts if t.trainable)
     return ZeroStates(weights + constants, grads, True, step, opt, b["reduce_bucket_size"] * pb, gathered, cpu,
@@ -215,17 +219,44 @@ SUB_GROUP_SIZE = 10**9  # DeepSpeed default sub_group_size (elements)
 STAGE3_MAX_REUSE_DISTANCE = 10**9  # DeepSpeed default (elements)
 
 
+def fetch_unit(spec: ModelSpec, ts: list[ParamGroup]) -> int:
+    """Elements of the largest set of parameters ZeRO-3 gathers at once: a module's own parameters
+    (partitioned_param_coordinator.py fetch_sub_module: iter_params(module, recurse=False)), or a z3 leaf
+    module's with all its descendants' (families.Family.z3_leaf: Mixtral's sparse MoE block, router and fused
+    experts, 1.41 B in Mixtral-8x7B). A path's instances are the gcd of its groups' counts (a LayerNorm's
+    weight and bias of one shape share a group, so such a module counts half: small modules only); a group
+    without a module path (megatron_gpt) is one tensor."""
+    leaf = family(spec.model_type).z3_leaf
+    units: dict[str, list[ParamGroup]] = {}
+    for i, g in enumerate(ts):
+        path = g.module or f"#{i}"
+        if leaf:
+            head, sep, _ = path.partition(f".*.{leaf}.")
+            path = head + f".*.{leaf}" if sep else path
+        units.setdefault(path, []).append(g)
+    largest = 0
+    for groups in units.values():
+        instances = math.gcd(*(g.count for g in groups)) if groups[0].module else groups[0].count
+        largest = max(largest, sum(g.total for g in groups) // max(instances, 1))
+    return largest
+
+
 def gathered_numel(spec: ModelSpec, ts: list[ParamGroup]) -> int:
-    """ZeRO-3 parameters gathered at the worst moment: the module being computed, the prefetch bucket,
-    and at the turn from forward to backward the last layers' parameters, which are not released
-    because they are reused within stage3_max_reuse_distance; at most stage3_max_live_parameters
-    (partitioned_param_coordinator.py: fetch_sub_module, __params_to_release)."""
+    """ZeRO-3 parameters gathered at the worst moment, in elements (DeepSpeed 0.19.8; docs/parallel.md):
+    - a fetch: the unit's parameters all-gathered in one coalesced flat buffer, which lives until the last of
+      them is consumed while each parameter is copied out of it (twice the unit), plus one prefetch bucket;
+    - the turn from forward to backward: the parameters reused within stage3_max_reuse_distance are not released
+      (__params_to_release); the trace runs forward then backward, so the last layers holding up to half the
+      distance stay gathered (stage3_max_live_parameters gates only the prefetch, never the kept or the current).
+    The persistent parameters (<= stage3_param_persistence_threshold) are in the weights."""
     b = ds_buckets(spec)
     thr = b["stage3_param_persistence_threshold"]
     sharded = sum(t.total for t in ts if t.numel > thr)
-    largest = max((t.numel for t in ts), default=0)
-    kept = min(STAGE3_MAX_REUSE_DISTANCE, b["stage3_max_live_parameters"], sharded)
-    return max(largest + b["stage3_prefetch_bucket_size"], kept) if sharded else 0
+    if not sharded:
+        return 0
+    unit = fetch_unit(spec, ts)
+    kept = min(STAGE3_MAX_REUSE_DISTANCE // 2, sharded)
+    return max(2 * unit + b["stage3_prefetch_bucket_size"], kept + unit)
 
 
 def fsdp_states(ts: list[ParamGroup], spec: ModelSpec, *, strategy: str, dp: int, gpus: int, prec: Precision,

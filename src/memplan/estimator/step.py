@@ -236,7 +236,7 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
     used = used + chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
     saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states + c.managed)
     params = chosen(lambda c: c.n_params)
-    terms = cost.step_time(spec, gpu, bases, mb, ms, saved, state, params)
+    terms = cost.step_time(spec, gpu, bases, mb, ms, state, params)
     return Table(allocated, reserved, used, chosen(lambda c: c.cpu), params, saved, state, terms.sum(axis=0), terms,
                  moment, stages, cells, pick_last)
 

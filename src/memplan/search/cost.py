@@ -18,22 +18,57 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.families import family
-from memplan.estimator.rules import FP32, HALF
+from memplan.estimator.parallel import ds_buckets, fetch_unit, stage_params
+from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
+from memplan.search import operators as ops
 
-# Fraction of peak a large, well-shaped matmul-bound transformer step reaches (public MFU reports for
-# single-GPU HF training sit at 35-60%); smaller shapes reach less: half-efficiency at 512 tokens per
-# micro batch and at hidden 384 (an assumption fitted to nothing, documented as such in
-# docs/cost-model.md; measurements on a GPU should calibrate it).
-PEAK_EFFICIENCY = 0.6
-TOKENS_HALF = 512
-HIDDEN_HALF = 384
-# Saved activations are written in forward and read in backward, and their gradients written and read.
-ACTIVATION_TRAFFIC = 3.0
-# AdamW step reads params, grads, two states and writes params and two states.
-OPTIMIZER_TRAFFIC = 2.0
+class Generation(NamedTuple):
+    """What kernels reach on one GPU generation, as fractions of the profile's datasheet figures (docs/cost-model.md
+    lists the fit and the runs it was fitted on)."""
+
+    matmul: float  # a large tensor-core GEMM in the half dtype, of the dense half peak
+    matmul_fp32: float  # a large fp32 GEMM (no TF32: PyTorch's default), of the fp32 peak
+    attention: float  # the fused attention kernel (flash / memory-efficient SDPA), forward + backward, of the peak
+    bandwidth: float  # memory-bound kernels, of the memory bandwidth
+    launch_s: float  # host time to dispatch one eager op with autograd (the floor of a kernel's time)
+
+
+# Fitted by benchmarks/throughput/fit.py on benchmarks/throughput/published_runs.json (docs/cost-model.md);
+# keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
+GENERATIONS: dict[int, Generation] = {
+    7: Generation(matmul=0.51, matmul_fp32=0.72, attention=0.30, bandwidth=0.92, launch_s=8e-6),
+    8: Generation(matmul=0.80, matmul_fp32=0.85, attention=0.19, bandwidth=0.83, launch_s=6e-6),
+    9: Generation(matmul=0.58, matmul_fp32=0.85, attention=0.16, bandwidth=0.69, launch_s=5e-6),
+}
+
+
+def generation(gpu: GPUProfile) -> Generation:
+    major = gpu.compute_capability[0]
+    return GENERATIONS[max((k for k in GENERATIONS if k <= major), default=min(GENERATIONS))]
+
+
+# Bytes per parameter one optimizer step moves (each read or write of a parameter-sized fp32 tensor is 4 bytes;
+# the states' own widths for 8-bit ones), from the step's kernels in torch 2.13 / bitsandbytes 0.50:
+# - fused AdamW (torch/optim/adamw.py -> _fused_adamw_, one kernel): p r/w, g r, m r/w, v r/w = 7 x 4;
+# - foreach AdamW (_multi_tensor_adamw): mul_(p), lerp_(m, g), mul_(v), addcmul_(v, g, g), sqrt(v), div_, add_,
+#   addcdiv_(p, m, denom): 20 x 4;
+# - bitsandbytes 8-bit AdamW (one blockwise kernel): p r/w, g r at 4 bytes, m and v r/w at 1 byte = 16;
+# - Adafactor (transformers, a Python loop): grad**2, its row and column means, the rsqrt outer product,
+#   update * grad, the RMS, clamp, lr, p.add_: about 15 x 4;
+# - SGD (foreach add_): p r/w, g r = 3 x 4 (a momentum buffer adds r/w); Adagrad / RMSprop: addcmul_, sqrt,
+#   add_, addcdiv_: 11 x 4; Lion: p r/w, g r, m r/w = 5 x 4 (8-bit: 14).
+STEP_BYTES = {"adamw_torch": 80, "adamw_torch_fused": 28, "adamw_bnb_8bit": 16, "adamw_8bit": 16,
+              "paged_adamw_8bit": 16, "paged_adamw_32bit": 28, "adafactor": 60, "sgd": 12, "adagrad": 44,
+              "rmsprop": 44, "lion_32bit": 20, "lion_8bit": 14, "paged_lion_32bit": 20, "paged_lion_8bit": 14}
+# The Trainer clips gradients every step (max_grad_norm = 1.0: clip_grad_norm_ reads the gradients for the norm,
+# then scales them: 3 moves) and under fp16 GradScaler unscales them first (read, write: 2 moves).
+CLIP_MOVES = 3
+UNSCALE_MOVES = 2
+# AccumulateGrad adds each later micro batch's weight gradients into .grad: read 2, write 1
+ACCUMULATE_MOVES = 3
 
 COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp16-pure": "fp16",
                  "int8": "fp16", "int4": "fp16"}
@@ -115,9 +150,14 @@ def inter_node_gbs(gpu: GPUProfile, w: Workload) -> float:
 
 
 def group_bw(gpu: GPUProfile, w: Workload, stride: int, size: int) -> float:
-    """Bytes/s of a collective over `size` ranks spaced `stride` apart in the rank order: inside a
-    node when the whole group fits in one, else limited by the network."""
-    return (intra_node_gbs(gpu) if stride * size <= w.gpus else inter_node_gbs(gpu, w)) * 1e9
+    """Bytes/s per rank of a ring collective over `size` ranks spaced `stride` apart in the rank order: inside a
+    node when the whole group fits in one; else the network, whose NICs the group's ranks in a node drive at once
+    (NCCL runs one ring channel per NIC, so a node's k ranks of the group cross nodes over k NICs: the per-rank
+    ring volume (n - 1)/n moves at k x the NIC's bandwidth, never faster than the node's own links)."""
+    if stride * size <= w.gpus:
+        return intra_node_gbs(gpu) * 1e9
+    per_node = max(1, min(size, w.gpus // stride))
+    return min(intra_node_gbs(gpu), per_node * inter_node_gbs(gpu, w)) * 1e9
 
 
 def ring(n: int, nbytes: float, bw: float, kind: str) -> float:
@@ -144,43 +184,72 @@ class StepTime(NamedTuple):
         return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.optimizer
 
 
-def efficiency(tokens, width: float):
-    """Fraction of peak a matmul reaches: PEAK_EFFICIENCY, halved at TOKENS_HALF tokens per micro batch
-    and at HIDDEN_HALF width (numbers or arrays)."""
-    return PEAK_EFFICIENCY * tokens / (tokens + TOKENS_HALF) * width / (width + HIDDEN_HALF)
+def _gemm_seconds(g: ops.Gemm, tokens: np.ndarray, flops_s: float, bytes_s: float, width: int) -> np.ndarray:
+    """A roofline per GEMM: its FLOPs at the achievable matmul rate or its operands' bytes at the achievable
+    bandwidth, whichever is slower, for every pass (forward, the input's and the weight's gradients)."""
+    m = g.rows * tokens
+    flops = 2.0 * m * g.n * g.k
+    moved = (m * g.k + g.k * g.n + m * g.n) * width
+    return g.count * g.passes * np.maximum(flops / flops_s, moved / bytes_s)
+
+
+def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: int,
+                  pp: int = 1, forward_only: bool = False) -> np.ndarray:
+    """Seconds of one micro batch of `tokens` (an array) on the last pipeline stage (its 1/pp of the layers and
+    the head): every GEMM's roofline, the attention core, the memory-bound kernels' bytes at the achievable
+    bandwidth, per-micro-batch weight traffic; no faster than the host dispatches the eager ops.
+    forward_only: one forward (serving), the inventory's forward share."""
+    gen, prec = generation(gpu), PRECISIONS[precision]
+    peak = peak_tflops(gpu, precision) * 1e12
+    half = prec.half is not None
+    flops_s = peak * (gen.matmul if half else gen.matmul_fp32)
+    bytes_s = gpu.memory_bandwidth_gbs * 1e9 * gen.bandwidth
+    fwd = (1 / 3) if forward_only else 1.0  # the forward is 1 of a GEMM's 3 passes
+    share = ops.FORWARD_SHARE if forward_only else 1.0
+    layers = sum(_gemm_seconds(g, tokens, flops_s, bytes_s, prec.act) for g in o.layer_gemms) * fwd
+    core = o.attn_flops * tokens * seq * fwd
+    layers = layers + (core / (peak * gen.attention) if o.fused_attn else core / flops_s)
+    moved = (o.stream_moves * prec.residual + o.act_moves * prec.act + o.score_moves * seq * prec.residual) * tokens
+    layers = layers + moved * share / bytes_s
+    per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * prec.autocast + o.quant_params * 2 * ops.DEQUANT_BYTES
+                 + o.embed_grad * ops.EMBED_GRAD_MOVES * prec.grad * (not forward_only)) * share / bytes_s
+    head = sum(_gemm_seconds(g, tokens, flops_s, bytes_s, prec.act) for g in o.head_gemms) * fwd
+    head = head + o.head_bytes * tokens * share / bytes_s
+    gpu_s = (layers + per_batch) / pp + head
+    host_s = o.kernels * fwd / pp * gen.launch_s
+    return np.maximum(gpu_s, host_s)
 
 
 def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.ndarray, m: np.ndarray,
-              saved: np.ndarray, state: np.ndarray, params: np.ndarray) -> np.ndarray:
+              state: np.ndarray, params: np.ndarray) -> np.ndarray:
     """(6, B, K) seconds per optimizer step of one data-parallel replica, in StepTime's order, for the
     rows `bases` (one layout) x the micro batches `mb` (m micro batches each); every rank takes the
-    same time. saved, state, params: (B, K) saved activation bytes, weights + gradients + states, and
-    the parameters one GPU holds."""
+    same time. state, params: (B, K) weights + gradients + states, and the parameters one GPU holds."""
     w0 = bases[0]
     seq = spec.seq_positions if spec.arch == "vision" else w0.seq_len
-    tokens = (mb * seq).astype(np.float64)[None, :]
+    tokens_k = (mb * seq).astype(np.float64)
+    tokens = tokens_k[None, :]
     m = m.astype(np.float64)[None, :]
-    peak = _col([peak_tflops(gpu, w.precision) for w in bases])
-    # the matmuls of one TP rank are 1/tp as wide: the shape efficiency sees hidden / tp
-    eff = efficiency(tokens, spec.hidden_size / w0.tp)
-    bw = gpu.memory_bandwidth_gbs * 1e9
-    flops: dict[tuple, float] = {}  # one row per workload, few distinct settings
+    priced: dict[tuple, np.ndarray] = {}  # one row per workload, few distinct settings
+    rows = []
     for w in bases:
-        key = (w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
-        if key not in flops:
-            flops[key] = flops_per_token(spec, seq, *key)[1]
-    hw_f = _col([flops[(w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)] for w in bases])
-    compute_micro = hw_f * tokens / (w0.tp * w0.pp) / (peak * 1e12 * eff)
-    micro = compute_micro + ACTIVATION_TRAFFIC * saved / bw
+        key = (ops.OpsKey.of(spec, w), w.precision)
+        if key not in priced:
+            priced[key] = micro_seconds(ops.step_ops(key[0]), gpu, w.precision, tokens_k, seq, w.pp)
+        rows.append(priced[key])
+    micro = np.stack(rows)
     vpp = _col([w.vpp for w in bases])
     # 1F1B: (pp - 1) micro-batch slots of fill and drain, divided by the virtual stages when interleaved
     bubble = micro * (w0.pp - 1) / vpp
     half = _col([w.precision != "fp32" for w in bases]).astype(bool)
     act_bytes = np.where(half, HALF, FP32)
-    terms = (micro * m, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
+    grad_b = _col([PRECISIONS[w.precision].grad for w in bases])
+    bw = gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth
+    accumulate = (m - 1) * ACCUMULATE_MOVES * params * grad_b / bw
+    terms = (micro * m + accumulate, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
              _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
-             _dp_comm(gpu, bases, m, half, params, compute_micro), _optimizer(gpu, bases, m, params, state, bw))
-    return np.stack([np.broadcast_to(x, saved.shape) for x in terms])
+             _dp_comm(spec, gpu, bases, m, half, params, micro), _optimizer(gpu, bases, m, params, bw))
+    return np.stack([np.broadcast_to(x, state.shape) for x in terms])
 
 
 def _tp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], tokens, m, act_bytes):
@@ -195,16 +264,52 @@ def _tp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], tokens, m,
 
 
 def _pp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], tokens, m, act_bytes, vpp):
-    """Each micro batch crosses every stage boundary forward and backward (vpp times when interleaved);
-    with SP the message is split over the TP ranks."""
+    """Each micro batch crosses every stage boundary forward and backward (vpp times when interleaved); the
+    message is split over the TP ranks (Megatron's scatter / gather across the stage's NVLink: Narayanan et al.
+    2021, section 4.1; with SP the activations are already split)."""
     w0 = bases[0]
     if w0.pp == 1:
         return 0.0
-    msg = tokens * spec.hidden_size * act_bytes / _col([w0.tp if w.sp else 1 for w in bases])
+    msg = tokens * spec.hidden_size * act_bytes / w0.tp
     return 2 * m * vpp * msg / group_bw(gpu, w0, w0.tp * w0.dp, w0.pp)
 
 
-def _dp_comm(gpu: GPUProfile, bases: list[Workload], m, half, params, compute_micro):
+def zero3_overlap(spec: ModelSpec, w: Workload) -> float:
+    """The share of a ZeRO-3 fetch that can be in flight before its module runs: the prefetch bucket over the
+    largest fetch unit (estimator/parallel.py), at most all of it."""
+    if w.zero != 3:
+        return 1.0
+    unit = fetch_unit(spec, stage_params(spec, w.tp, w.pp, w.pp - 1))
+    return min(1.0, ds_buckets(spec)["stage3_prefetch_bucket_size"] / max(unit, 1))
+
+
+# The latency of a ring all-gather / reduce-scatter, NCCL's own tuning model (src/graph/tuning.cc, the Simple
+# protocol; the numbers as NCCL's example tuner plugin mirrors them): 17 us per collective, 3.6 us per step over
+# NVLink and 19.8 us per step across the network; a ring over n ranks on k nodes takes n - 1 steps, k - 1 of them
+# between nodes.
+RING_BASE_S, RING_NVLINK_STEP_S, RING_NET_STEP_S = 17e-6, 3.6e-6, 19.8e-6
+
+
+def ring_latency(n: int, nodes: int) -> float:
+    """Seconds of latency of one ring all-gather or reduce-scatter over n ranks spread over `nodes` nodes."""
+    if n <= 1:
+        return 0.0
+    inter = max(nodes, 1) - 1
+    return RING_BASE_S + (n - 1 - inter) * RING_NVLINK_STEP_S + inter * RING_NET_STEP_S
+
+
+def zero3_latency(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> float:
+    """Seconds of ring steps per micro batch under ZeRO-3: every sharded tensor's module is all-gathered in forward
+    and in backward and its gradient reduce-scattered, each a ring over the dp ranks (ring_latency)."""
+    if w.zero != 3 or w.dp == 1:
+        return 0.0
+    thr = ds_buckets(spec)["stage3_param_persistence_threshold"]
+    units = sum(g.count for g in stage_params(spec, w.tp, w.pp, w.pp - 1) if g.numel > thr)
+    nodes = -(-w.tp * w.dp // w.gpus)
+    return 3 * units * ring_latency(w.dp, nodes)
+
+
+def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, compute_micro):
     """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`)."""
     w0, dp = bases[0], bases[0].dp
     zero = _col([w.zero for w in bases])
@@ -223,7 +328,12 @@ def _dp_comm(gpu: GPUProfile, bases: list[Workload], m, half, params, compute_mi
     z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * p_bytes
     # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
     # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
-    z3 = m * np.maximum(2 * ag * p_bytes + ag * g_bytes - compute_micro, 0.0)
+    # DeepSpeed fetches a module's parameters when it runs and prefetches at most stage3_prefetch_bucket_size
+    # elements ahead (partitioned_param_coordinator.py), so only that share of each fetch can hide behind the
+    # module before it: the rest waits (zero3_overlap)
+    f = _col([zero3_overlap(spec, w) for w in bases])
+    z3_comm = 2 * ag * p_bytes + ag * g_bytes + _col([zero3_latency(spec, gpu, w) for w in bases])
+    z3 = m * ((1 - f) * z3_comm + np.maximum(f * z3_comm - compute_micro, 0.0))
     dp_comm = np.where(zero <= 1, z01, np.where(zero == 2, z2, z3))
     for i, w in enumerate(bases):
         if w.fsdp != "none":
@@ -245,10 +355,12 @@ def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro)
     return out
 
 
-def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, state, bw: float):
-    """The optimizer step: GPU memory traffic, or under offload CPU Adam over the GPUs of a node sharing
-    the host's memory bandwidth plus the PCIe copies (half gradients down every micro batch, updated half
-    parameters up; with parameter offload the parameters come up for forward and backward too)."""
+def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, bw: float):
+    """The optimizer step: its kernels' bytes (STEP_BYTES, scaled to the master copy's width) with the
+    Trainer's gradient clipping (and fp16's unscaling) at the achievable bandwidth; or under offload CPU Adam
+    over the GPUs of a node sharing the host's memory bandwidth plus the PCIe copies (half gradients down every
+    micro batch, updated half parameters up; with parameter offload the parameters come up for forward and
+    backward too)."""
     w0, dp = bases[0], bases[0].dp
     sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
     n_opt = params / np.where(sharded, dp, 1)
@@ -257,7 +369,17 @@ def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, state, bw: flo
     all_extra = m * 2 * (params / dp) * HALF / pcie  # up for forward and again for backward
     off = _col([w.offload != "none" for w in bases]).astype(bool)
     off_all = _col([w.offload == "all" for w in bases]).astype(bool)
-    return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), OPTIMIZER_TRAFFIC * state / bw)
+    per_param = _col([_step_bytes(w) for w in bases])
+    return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), per_param * n_opt / bw)
+
+
+def _step_bytes(w: Workload) -> float:
+    """Bytes one parameter's optimizer step moves: the optimizer's kernels at the master copy's width (fp32 but
+    for pure half training: DeepSpeed's and FSDP's masters are fp32), clipping, fp16's unscaling."""
+    master = PRECISIONS[w.precision].param if w.zero == 0 and w.fsdp == "none" else FP32
+    g = PRECISIONS[w.precision].grad
+    moves = CLIP_MOVES + (UNSCALE_MOVES if w.precision == "fp16" else 0)
+    return STEP_BYTES[w.optim] * master / FP32 + moves * g
 
 
 def peak_tflops(gpu: GPUProfile, precision: str) -> float:
@@ -267,15 +389,17 @@ def peak_tflops(gpu: GPUProfile, precision: str) -> float:
 
 def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
                          state_bytes: float) -> Throughput:
-    """One forward of the micro batch: the matmuls at the shape's efficiency, plus reading the weights
-    (and KV cache) and the working set once; every data-parallel replica serves its own batches."""
+    """One forward of the micro batch, priced per operator as training's forward share (micro_seconds), plus
+    reading the working set (KV cache, activations) once; every data-parallel replica serves its own batches.
+    state_bytes: the weights and cache, whose weight part the GEMMs' rooflines already read."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
     tokens = w.micro_batch * seq
-    peak = peak_tflops(gpu, w.precision)
+    compute = w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
+    o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
+    t = float(micro_seconds(o, gpu, compute, np.array([float(tokens)]), seq, forward_only=True)[0])
+    t += saved_activation_bytes / (gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth)
     fwd = 2 * active_params(spec) * tokens
-    hw = fwd + 2 * idle_expert_params(spec) * tokens
-    t = hw / (peak * 1e12 * efficiency(tokens, spec.hidden_size)) + (state_bytes + saved_activation_bytes) / (
-        gpu.memory_bandwidth_gbs * 1e9)
+    peak = peak_tflops(gpu, w.precision)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
 
 

@@ -1,0 +1,194 @@
+"""What one micro batch of training runs on one GPU, operator by operator (docs/cost-model.md): the GEMMs with
+their shapes from the parameter table, the attention core, and the memory-bound kernels with the elements they
+move. search/cost.py turns it into seconds with a roofline per operator.
+
+Element moves count every read and every write of one element by a memory-bound kernel, forward plus backward,
+as PyTorch eager runs a Hugging Face layer (one kernel per op, no fusion); a move is priced at the width of the
+tensor it touches (the residual stream's or the matmul outputs'). The counts are read off the ops' definitions
+(ATen's forward and derivatives.yaml backward) and are stated with each constant.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan.estimator.families import family
+from memplan.estimator.finetune import Tuning, tuned_params
+from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
+from memplan.inputs.workload import Workload
+
+# -- element moves per element, forward + backward ----------------------------------------------------------
+NORM_MOVES = 5  # layer_norm / rms_norm: read x, write y; backward reads x and dy, writes dx
+RESIDUAL_MOVES = 6  # x + f(x): read 2, write 1; backward adds the two branches' gradients (read 2, write 1)
+DROPOUT_MOVES = 5  # read, write, the mask; backward reads dy and the mask, writes dx (mask bytes rounded up)
+ACT_MOVES = 5  # gelu / silu: read, write; backward reads x and dy, writes dx
+GATE_MOVES = 8  # act(gate) * up: read 2, write 1; backward reads dy and both factors, writes both gradients
+# HF apply_rotary_pos_emb on q and k: q * cos, rotate_half(q) (two slices, a negation, a cat), * sin, the sum:
+# 13 moves forward, as many in backward
+ROTARY_MOVES = 26
+# eager attention on the scores (b * heads * s * s_kv elements): the matmuls' own write of the scores and read of
+# the probabilities, and in backward the four matmuls' reads and writes of them (6); scale, mask add, softmax and
+# the cast back for the PV matmul, and in backward softmax's (read y, dy, write) and the scale's (15). Priced at
+# the residual stream's width: transformers' float mask is in the model's dtype, so under autocast the masked
+# scores, the softmax and its dropout are fp32
+EAGER_SCORE_MOVES = 21
+# the LM loss per logit: transformers' ForCausalLMLoss upcasts the logits to fp32 (read 2, write 4 bytes),
+# cross_entropy's log_softmax (read 4, write 4) and nll; backward: nll's zeros and scatter (4), log_softmax's
+# (read 8, write 4) and the cast back (read 4, write 2): about 40 bytes per logit
+LOSS_BYTES_PER_LOGIT = 40
+# the embedding's backward writes a dense vocab x hidden gradient (embedding_dense_backward: zeros, then
+# index_put), which AccumulateGrad then adds into .grad when one exists: 3 moves of vocab x hidden
+EMBED_GRAD_MOVES = 3
+# autocast casts every fp32 weight to half once per forward (read 4, write 2 bytes; the cache lives for one
+# forward: torch.autocast clears it on exit), again when a checkpointed forward is recomputed
+AUTOCAST_CAST_BYTES = 6
+# bitsandbytes dequantises a 4-bit weight to half in forward and again in backward (read 0.5, write 2 bytes)
+DEQUANT_BYTES = 2.5
+# kernels one layer's forward launches beyond its GEMMs (norms, adds, dropout, activation, views that copy):
+# a HF layer is ~15-25 ops; backward launches about twice as many
+LAYER_KERNELS = 20
+EAGER_KERNELS = 6  # the eager core: two matmuls, scale, mask, softmax, cast (fused kernels: 1)
+
+
+# 2-D parameters of these categories are matmul weights even without a module type (megatron_gpt's table, routers)
+MATRIX_CATEGORIES = ("attention", "mlp", "router", "head")
+
+
+class Gemm(NamedTuple):
+    rows: float  # M per token of the micro batch: 1 for a dense layer, K/E for a routed expert
+    n: int  # output features (one tensor-parallel rank's share)
+    k: int  # input features
+    count: int  # matmuls of this shape in the model
+    passes: int  # forward, the input's gradient, the weight's gradient (when it trains)
+
+
+class StepOps(NamedTuple):
+    """One micro batch on one GPU of a model split `tp` ways, before pipeline splitting; per token unless named."""
+
+    layer_gemms: tuple[Gemm, ...]  # every layer's linears (pipeline stages split them)
+    head_gemms: tuple[Gemm, ...]  # the LM head (the last stage's)
+    attn_flops: float  # the attention core's matmul FLOPs per token per key position, all layers, fwd + bwd
+    fused_attn: bool  # the core is one kernel (SDPA, FlashAttention-2, memplan's) rather than eager ops
+    score_moves: float  # eager: score elements moved per token per key position, all layers (residual width)
+    stream_moves: float  # elements moved at the residual stream's width, all layers
+    act_moves: float  # elements moved at the matmul outputs' width, all layers
+    head_bytes: float  # the loss's bytes (the last stage's)
+    cast_params: int  # weight elements autocast casts per micro batch (twice under full recompute)
+    quant_params: int  # 4-bit weight elements dequantised per micro batch, each in forward and backward
+    embed_grad: int  # elements of the embedding gradient written per micro batch (0: frozen)
+    kernels: float  # kernel launches of the layers, forward + backward (+ the recomputed forward)
+    layers: int
+
+
+class OpsKey(NamedTuple):
+    """Everything the operator inventory reads (a frozen, hashable cache key)."""
+
+    spec: ModelSpec
+    tuning: Tuning
+    tp: int
+    sp: bool
+    attn: str
+    recompute: str
+    kernels: bool
+    tiled_mlp: bool
+
+    @classmethod
+    def of(cls, spec: ModelSpec, w: Workload) -> "OpsKey":
+        return cls(spec, Tuning.of(w), w.tp, w.sp, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
+
+
+def _split(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """One TP rank's shape: Megatron splits each matrix along one dimension (the larger here, as
+    estimator/parallel.py does)."""
+    if tp == 1:
+        return shape
+    i = max(range(len(shape)), key=lambda j: shape[j])
+    return shape[:i] + (-(-shape[i] // tp),) + shape[i + 1:]
+
+
+def _gemm(spec: ModelSpec, g: ParamGroup, tp: int) -> Gemm | None:
+    """The matmul a weight takes part in, or None (norms, biases, embeddings, a classifier on one token)."""
+    shape = _split(g.shape, tp)
+    passes = 3 if g.trainable else 2
+    if g.category == "experts" and len(shape) == 3:  # fused experts (E, out, in): each expert sees K/E of the tokens
+        e = shape[0]
+        share = 1.0 if family(spec.model_type).moe_all_experts else spec.experts_per_token / spec.num_experts
+        return Gemm(share, shape[1], shape[2], g.count * e, passes)
+    if g.category == "adapter" and len(shape) == 2:
+        return Gemm(1.0, shape[0], shape[1], g.count, passes)
+    if len(shape) == 2 and (g.weight_of or g.category in MATRIX_CATEGORIES):
+        out, inp = (shape[1], shape[0]) if g.weight_of == "Conv1D" else shape
+        return Gemm(1.0, out, inp, g.count, passes)
+    if len(shape) == 4 and g.category == "embeddings":  # a ViT patch convolution: one GEMM over the patches
+        return Gemm(1.0, shape[0], shape[1] * shape[2] * shape[3], g.count, passes)
+    return None
+
+
+# the share of a layer's element moves that is forward (2 of NORM_MOVES' 5, 3 of RESIDUAL_MOVES' 6, ...): what a
+# recomputed forward moves again
+FORWARD_SHARE = 0.4
+
+
+@lru_cache(maxsize=256)
+def step_ops(key: OpsKey) -> StepOps:
+    """The operator inventory of one micro batch for `key` (per token; cost.py prices it). Full recompute
+    runs the layers' forward twice (Korthikanti et al. 2022), selective the attention core's; memplan's fused
+    loss computes the head's forward again in backward, its tiled MLP each MLP's."""
+    spec, tp, full = key.spec, key.tp, key.recompute == "full"
+    params = tuned_params(spec, key.tuning)
+    layer, head = [], []
+    for g in params:
+        gm = _gemm(spec, g, tp)
+        if gm is None or (g.category == "head" and spec.head not in LM_HEADS):
+            continue
+        again = full and g.category != "head" or key.tiled_mlp and g.category == "mlp" or (
+            key.kernels and g.category == "head")
+        (head if g.category == "head" else layer).append(gm._replace(passes=gm.passes + again))
+    if spec.tie_embeddings and spec.head in LM_HEADS:
+        emb_trains = any(g.trainable for g in params if g.category == "embeddings")
+        head.append(Gemm(1.0, -(-spec.vocab_size // tp), spec.hidden_size, 1, 2 + emb_trains + key.kernels))
+    L = spec.total_layers
+    causal = spec.arch == "decoder" and key.attn != "eager"  # fused causal kernels skip the masked tiles
+    heads = -(-spec.num_heads // tp)
+    attn_fwd = 2 * heads * (spec.head_dim + spec.value_head_dim) * L * (0.5 if causal else 1.0)
+    core_again = key.recompute in ("full", "selective")
+    again = 1 + FORWARD_SHARE * full
+    fused = key.attn != "eager"
+    scores = 0 if fused else heads * L * (EAGER_SCORE_MOVES + (DROPOUT_MOVES if spec.attention_dropout else 0))
+    return StepOps(tuple(layer), tuple(head), (3 + core_again) * attn_fwd, fused,
+                   scores * (1 + FORWARD_SHARE * core_again), _stream_moves(spec, key) * L * again,
+                   _act_moves(spec, tp) * L * again,
+                   LOSS_BYTES_PER_LOGIT * spec.vocab_size / tp if spec.head in LM_HEADS else 0.0,
+                   sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full),
+                   sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full),
+                   _embed_grad(spec, params),
+                   L * (3 + full) * (LAYER_KERNELS + (1 if fused else EAGER_KERNELS)), L)
+
+
+def _stream_moves(spec: ModelSpec, key: OpsKey) -> float:
+    """Residual-width element moves of one layer: its norms, two residual adds, the hidden dropouts; split over
+    the TP ranks only under sequence parallelism (else every rank repeats them)."""
+    norms = family(spec.model_type).norms_per_layer or spec.layer_norms or (3 if spec.arch == "encoder-decoder" else 2)
+    dropouts = 2 if spec.hidden_dropout else 0
+    per = spec.hidden_size * (norms * NORM_MOVES + 2 * RESIDUAL_MOVES + dropouts * DROPOUT_MOVES)
+    return per / (key.tp if key.sp else 1)
+
+
+def _act_moves(spec: ModelSpec, tp: int) -> float:
+    """Matmul-output-width element moves of one layer: the MLP's activation (and gate product), rotary on
+    q and k; one TP rank's share."""
+    width = spec.intermediate_size
+    if spec.is_moe:
+        width = spec.expert_width * (spec.num_experts if family(spec.model_type).moe_all_experts
+                                     else spec.experts_per_token) + spec.shared_expert_intermediate_size
+    moves = width * (ACT_MOVES + (GATE_MOVES if spec.mlp == "gated" else 0))
+    if spec.position == "rotary":
+        moves += ROTARY_MOVES * (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+    return moves / tp
+
+
+def _embed_grad(spec: ModelSpec, params: tuple[ParamGroup, ...]) -> int:
+    """Elements of the token embedding's dense gradient (0 when it is frozen)."""
+    return sum(g.total for g in params if g.category == "embeddings" and g.trainable and len(g.shape) == 2
+               and g.shape[0] == spec.vocab_size)

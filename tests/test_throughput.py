@@ -1,0 +1,99 @@
+"""The speed model (search/operators.py, search/cost.py) against published runs and its own invariants
+(benchmarks/throughput/compare.py is the script; results/ its committed output)."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import memplan
+from memplan.estimator.rules import OPTIMIZERS
+from memplan.inputs.workload import Workload
+from memplan.search import cost, operators as ops
+
+BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "throughput"
+
+
+@pytest.fixture(scope="module")
+def compared():
+    sys.path.insert(0, str(BENCH))
+    import compare
+
+    runs = json.loads((BENCH / "published_runs.json").read_text())
+    rows, skipped = compare.evaluate(runs)
+    return compare, runs, rows, skipped
+
+
+def test_published_runs_bound(compared):
+    """At least 25 runs from 4 sources on 3 GPU generations; median |error| within 15 %."""
+    compare, _, rows, _ = compared
+    s = compare.summary(rows)
+    generations = {memplan.load_gpu(g).compute_capability[0] for g in s["gpus"]}
+    assert s["runs"] >= 25 and s["sources"] >= 4 and len(generations) >= 3
+    assert s["median_abs_error"] <= 0.15
+
+
+def test_committed_results_are_current(compared):
+    """results.json is what compare.py gives on this tree (rerun it after changing the model)."""
+    _, _, rows, _ = compared
+    committed = json.loads((BENCH / "results.json").read_text())["rows"]
+    assert [r["id"] for r in committed] == [r["id"] for r in rows]
+    assert [r["predicted"] for r in committed] == pytest.approx([r["predicted"] for r in rows], rel=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 17): predicted 2.73x against the measured 2.1x; HF eager fp16 "
+                   "on V100 is host-bound beyond the per-op dispatch floor memplan models")
+def test_v100_fp16_over_fp32_ratio(compared):
+    """HF Trainer, bert-large, seq 512, batch 4, eager (perf_train_gpu_one): fp16 is 2.1x fp32 measured; the
+    predicted ratio is within 25 % of it."""
+    _, runs, rows, _ = compared
+    by = {r["id"]: r for r in rows}
+    measured = by["hf-v100-bertlarge-fp16-bs4"]["published"] / by["hf-v100-bertlarge-fp32-bs4"]["published"]
+    predicted = by["hf-v100-bertlarge-fp16-bs4"]["predicted"] / by["hf-v100-bertlarge-fp32-bs4"]["predicted"]
+    assert measured == pytest.approx(2.1, abs=0.01)
+    assert predicted == pytest.approx(measured, rel=0.25)
+
+
+def test_every_optimizer_has_step_bytes():
+    assert set(OPTIMIZERS) <= set(cost.STEP_BYTES)
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "gpt2", "bert-large", "mixtral-8x7b"])
+def test_inventory_gemm_flops_are_six_n(model):
+    """The inventory's GEMMs are the parameter table's matmuls: forward + both gradients of every trained weight
+    give 6 x the active matmul parameters per token (Kaplan et al.), the count flops_per_token uses."""
+    spec = memplan.resolve_model(model)
+    o = ops.step_ops(ops.OpsKey.of(spec, Workload(seq_len=512)))
+    gemm = sum(2 * g.rows * g.n * g.k * g.count * g.passes for g in o.layer_gemms + o.head_gemms)
+    model_flops, _ = cost.flops_per_token(spec, 512, "eager", "none")
+    attention = 3 * 4 * 512 * spec.num_heads * spec.head_dim * spec.total_layers
+    matrices = 6 * (cost.active_params(spec) - spec.params_by_category().get("norms", 0))
+    # biases and norms are no matmul; a classifier head runs on one token, not every one
+    assert gemm == pytest.approx(matrices, rel=0.02)
+    assert gemm + attention == pytest.approx(model_flops, rel=0.02)
+
+
+def test_recompute_adds_a_forward():
+    spec = memplan.resolve_model("llama-3.1-8b")
+    none = ops.step_ops(ops.OpsKey.of(spec, Workload(grad_ckpt="none")))
+    full = ops.step_ops(ops.OpsKey.of(spec, Workload(grad_ckpt="full")))
+    f = lambda o: sum(2 * g.n * g.k * g.count * g.passes for g in o.layer_gemms)  # noqa: E731
+    assert f(full) == pytest.approx(f(none) * 4 / 3)
+    gpu = memplan.load_gpu("a100-80g")
+    t = np.array([4096.0])
+    ratio = cost.micro_seconds(full, gpu, "bf16", t, 4096) / cost.micro_seconds(none, gpu, "bf16", t, 4096)
+    assert 1.2 < ratio[0] < 1.4  # Chen et al. 2016 / Korthikanti et al. 2022: about one more forward
+
+
+def test_small_micro_batches_are_bandwidth_bound():
+    """A roofline per GEMM: at one token a matmul reads its whole weight, so per-token time falls with the batch
+    (decode-like shapes), while at thousands of tokens it is flat (compute-bound)."""
+    spec = memplan.resolve_model("llama-3.1-8b")
+    o = ops.step_ops(ops.OpsKey.of(spec, Workload()))
+    gpu = memplan.load_gpu("h100-80g")
+    t = np.array([1.0, 8.0, 4096.0, 8192.0])
+    per_token = cost.micro_seconds(o, gpu, "bf16", t, 1, forward_only=True) / t
+    assert per_token[0] > 5 * per_token[1] > 5 * per_token[2]
+    assert per_token[3] == pytest.approx(per_token[2], rel=0.1)
