@@ -39,8 +39,8 @@ class Generation(NamedTuple):
 # Fitted by benchmarks/throughput/fit.py on benchmarks/throughput/published_runs.json (docs/cost-model.md);
 # keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
 GENERATIONS: dict[int, Generation] = {
-    7: Generation(matmul=0.51, matmul_fp32=0.72, attention=0.30, bandwidth=0.92, launch_s=8e-6),
-    8: Generation(matmul=0.80, matmul_fp32=0.85, attention=0.19, bandwidth=0.83, launch_s=6e-6),
+    7: Generation(matmul=0.59, matmul_fp32=0.61, attention=0.30, bandwidth=0.92, launch_s=31e-6),
+    8: Generation(matmul=0.80, matmul_fp32=0.85, attention=0.22, bandwidth=0.83, launch_s=6e-6),
     9: Generation(matmul=0.58, matmul_fp32=0.85, attention=0.16, bandwidth=0.69, launch_s=5e-6),
 }
 
@@ -63,6 +63,13 @@ def generation(gpu: GPUProfile) -> Generation:
 STEP_BYTES = {"adamw_torch": 80, "adamw_torch_fused": 28, "adamw_bnb_8bit": 16, "adamw_8bit": 16,
               "paged_adamw_8bit": 16, "paged_adamw_32bit": 28, "adafactor": 60, "sgd": 12, "adagrad": 44,
               "rmsprop": 44, "lion_32bit": 20, "lion_8bit": 14, "paged_lion_32bit": 20, "paged_lion_8bit": 14}
+# Ops a step launches per parameter tensor when it loops over them in Python (torch's fused and foreach steps
+# launch a few kernels per group): transformers' Adafactor (about 15 ops: the squares, the row and column means,
+# the rsqrt product, RMS, clamp, the update), bitsandbytes' 8-bit and paged optimizers (one kernel per tensor,
+# with its Python around it: 2)
+STEP_OPS_PER_TENSOR = {"adafactor": 15, "adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2,
+                       "paged_adamw_32bit": 2, "lion_32bit": 2, "lion_8bit": 2, "paged_lion_32bit": 2,
+                       "paged_lion_8bit": 2}
 # The Trainer clips gradients every step (max_grad_norm = 1.0: clip_grad_norm_ reads the gradients for the norm,
 # then scales them: 3 moves) and under fp16 GradScaler unscales them first (read, write: 2 moves).
 CLIP_MOVES = 3
@@ -248,7 +255,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     accumulate = (m - 1) * ACCUMULATE_MOVES * params * grad_b / bw
     terms = (micro * m + accumulate, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
              _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
-             _dp_comm(spec, gpu, bases, m, half, params, micro), _optimizer(gpu, bases, m, params, bw))
+             _dp_comm(spec, gpu, bases, m, half, params, micro), _optimizer(spec, gpu, bases, m, params, bw))
     return np.stack([np.broadcast_to(x, state.shape) for x in terms])
 
 
@@ -355,14 +362,16 @@ def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro)
     return out
 
 
-def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, bw: float):
+def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, params, bw: float):
     """The optimizer step: its kernels' bytes (STEP_BYTES, scaled to the master copy's width) with the
     Trainer's gradient clipping (and fp16's unscaling) at the achievable bandwidth; or under offload CPU Adam
     over the GPUs of a node sharing the host's memory bandwidth plus the PCIe copies (half gradients down every
     micro batch, updated half parameters up; with parameter offload the parameters come up for forward and
-    backward too)."""
+    backward too). A step that loops over the tensors in Python is no faster than its ops' dispatch
+    (STEP_OPS_PER_TENSOR)."""
     w0, dp = bases[0], bases[0].dp
     sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
+    host = _col([STEP_OPS_PER_TENSOR.get(w.optim, 0) * spec.num_tensors / (w.tp * w.pp) for w in bases])
     n_opt = params / np.where(sharded, dp, 1)
     pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
     cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * HALF * n_opt + HALF * n_opt) / pcie)
@@ -370,7 +379,8 @@ def _optimizer(gpu: GPUProfile, bases: list[Workload], m, params, bw: float):
     off = _col([w.offload != "none" for w in bases]).astype(bool)
     off_all = _col([w.offload == "all" for w in bases]).astype(bool)
     per_param = _col([_step_bytes(w) for w in bases])
-    return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), per_param * n_opt / bw)
+    gpu_step = np.maximum(per_param * n_opt / bw, host * generation(gpu).launch_s)
+    return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), gpu_step)
 
 
 def _step_bytes(w: Workload) -> float:
