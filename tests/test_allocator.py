@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.verify.allocator import (
+from memplan.estimator.allocator import (
     MIN_BLOCK_SIZE,
     SMALL_SIZE,
     AllocatorStats,
@@ -211,3 +211,62 @@ def test_invariants(trace):
     s = a.stats()
     assert (s.final_allocated, s.final_reserved) == (0, reserved)
     assert all(len(seg) == 1 and not seg[0][1] for seg in a.layout())
+
+
+# -- expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) -----------------------------------
+def test_expandable_maps_pages_at_the_end():
+    """12 MiB then 30 MiB: the default allocator cudaMallocs a 20 MiB and a 30 MiB segment (42 MiB reserved,
+    the 12 MiB request rounded to 2 MiB); expandable maps one 20 MiB page, then the 22 MiB shortfall beyond the
+    8 MiB free at the end as two more pages (60 MiB), every block exactly its request."""
+    for expandable, reserved in ((False, 42 * MiB), (True, 60 * MiB)):
+        a = CachingAllocator(expandable)
+        a.malloc(1, 12 * MiB)
+        a.malloc(2, 30 * MiB)
+        assert (a.reserved, a.allocated) == (reserved, 42 * MiB)
+
+
+def test_expandable_reuses_any_hole_before_the_end_and_never_unmaps():
+    a = CachingAllocator(expandable=True)
+    for i in range(10):
+        a.malloc(i, 5 * MiB)  # 50 MiB live in 60 MiB mapped
+    assert a.reserved == 60 * MiB
+    for i in range(0, 10, 2):
+        a.free(i)  # five 5 MiB holes
+    a.malloc(20, 4 * MiB)  # best fit: a hole, not the 10 MiB free at the end
+    assert a.reserved == 60 * MiB
+    a.malloc(21, 9 * MiB)  # no hole holds 9 MiB: the free 10 MiB at the end takes it
+    assert a.reserved == 60 * MiB
+    a.malloc(22, 6 * MiB)  # 1 MiB left at the end: map 5 MiB more, rounded to a 20 MiB page
+    assert a.reserved == 80 * MiB
+    for k in (1, 3, 5, 7, 9, 20, 21, 22):
+        a.free(k)
+    assert a.allocated == 0 and a.reserved == 80 * MiB  # nothing is unmapped without empty_cache
+
+
+def test_expandable_small_pool_pages_are_2_mib():
+    a = CachingAllocator(expandable=True)
+    for i in range(5):
+        a.malloc(i, 512 * KiB)
+    assert a.reserved == 4 * MiB  # 2.5 MiB of small blocks in two 2 MiB pages of the small pool
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ops)
+def test_expandable_invariants(trace):
+    """Reserved only grows, covers what is allocated, and is whole pages; blocks are exactly their requests."""
+    a = CachingAllocator(expandable=True)
+    live: dict[int, int] = {}
+    next_key = 0
+    for is_alloc, nbytes, pick in trace:
+        before = a.reserved
+        if is_alloc or not live:
+            a.malloc(next_key, nbytes)
+            live[next_key] = round_size(nbytes)
+            next_key += 1
+        else:
+            key = sorted(live)[pick % len(live)]
+            a.free(key)
+            del live[key]
+        assert a.reserved >= before and a.reserved >= a.allocated
+        assert a.allocated == sum(live.values())
+        assert a.reserved % (2 * MiB) == 0

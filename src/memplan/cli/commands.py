@@ -62,6 +62,9 @@ def common_options(f, required: bool = True):
                      "it would gain]"),
         click.option("--tiled-mlp", is_flag=True, default=None, help="train with memplan's tiled MLP "
                      "(memplan.kernels.apply(model, mlp=True)): each layer keeps only its MLP input"),
+        click.option("--expandable-segments/--no-expandable-segments", default=None,
+                     help="run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved grows by pages, not "
+                     "segments) [default: off; suggest turns it on for a plan that fits only with it]"),
         click.option("--json", "as_json", is_flag=True, help="print one JSON document"),
     ]):
         f = opt(f)
@@ -180,7 +183,7 @@ def cli() -> None:
 @_parallel_options(search=False)
 @method_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-             kernels, tiled_mlp, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, kv_cache,
+             kernels, tiled_mlp, expandable_segments, as_json, micro_batch, grad_accum, precision, grad_ckpt, max_new_tokens, beams, kv_cache,
              gpus, nodes,
              zero, fsdp,
              offload, tp, pp, sp, vpp, cpu_mem, tuning) -> None:
@@ -192,6 +195,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
                        precision=precision, optim=optim, momentum=_momentum(optim_args), grad_ckpt=grad_ckpt,
                        attn=attn, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, zero_grad=zero_grad,
                        headroom=headroom, kernels=kernels, tiled_mlp=tiled_mlp,
+                       expandable_segments=bool(expandable_segments),
                        **_parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp), **tuning)
     if as_json:
         _emit_json(est)
@@ -217,7 +221,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
 @method_options(search=True)
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-            kernels, tiled_mlp, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
+            kernels, tiled_mlp, expandable_segments, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
             vpp, cpu_mem, net_gbs, emit, out_dir, force, tuning) -> None:
     """Search the layout over the GPUs (TP, PP, DP, ZeRO / FSDP, offload), micro batch, accumulation,
     checkpointing and attention (precision and optimizer when you list them or say 'any'); rank what fits."""
@@ -242,7 +246,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
                     momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp,
-                    **tuning)
+                    expandable_segments=expandable_segments, **tuning)
     if as_json:
         _emit_json(s)
     else:
@@ -277,7 +281,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), help="infer: generate's cache [default: dynamic]")
 @method_options(search=False)
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
-           tiled_mlp, as_json,
+           tiled_mlp, expandable_segments, as_json,
            micro_batch, grad_accum, precision, grad_ckpt, plan_file, plan_index, device, steps, max_new_tokens, beams,
            kv_cache, tuning) -> None:
     """Run the planned training step or serving step (random weights, synthetic batches) and compare with the
@@ -288,7 +292,8 @@ def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, 
 
     given = dict(task=task, seq_len=seq_len, optim=optim, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
                  precision=precision, grad_ckpt=grad_ckpt, zero_grad=zero_grad, headroom=headroom, kernels=kernels,
-                 tiled_mlp=tiled_mlp, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, **tuning)
+                 tiled_mlp=tiled_mlp, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache,
+                 expandable_segments=expandable_segments, **tuning)
     if optim_args:
         given["momentum"] = _momentum(optim_args)
     report = run(model=model, gpu=gpu, head=head, trust_remote_code=trust_remote_code, plan_file=plan_file,

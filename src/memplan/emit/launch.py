@@ -32,6 +32,9 @@ NOT_EXPRESSED = (
 )
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
 def model_kwargs(plan) -> dict:
     """Keyword arguments for from_pretrained / from_config. The dtype is always explicit: transformers 5.23
     from_pretrained defaults to dtype="auto", the checkpoint's own (modeling_utils.py), which would load bf16
@@ -83,6 +86,9 @@ def launch_section(plan, files: set[str], spec: ModelSpec) -> dict:
         "quantization_config": BNB_CONFIG if method == "qlora" and BNB_CONFIG in files else None,
         "freeze": freeze_section(plan.workload, spec),  # None but for --method freeze
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
+        # the environment the command needs: the allocator mode the plan's memory was estimated under (it must be
+        # set before CUDA initialises, so launch.sh exports it for the launcher and every rank it starts)
+        "env": {ALLOC_CONF: "expandable_segments:True"} if plan.workload.expandable_segments else {},
         "command": command(plan, files),
     }
 
@@ -91,6 +97,7 @@ def launch_script(section: dict) -> str:
     """launch.sh: run from the directory that holds the files."""
     multi = ("# several nodes: run this on each with MACHINE_RANK / NODE_RANK and MAIN_PROCESS_IP / MASTER_ADDR set\n"
              if "$" in section["command"] else "")
+    env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in section.get("env", {}).items())
     return (f"#!/bin/sh\n# memplan: train {shlex.quote(section['model'])} as planned (plan.json)\n"
-            f"# usage: ./launch.sh --data FILE (see train.py)\n{multi}"
+            f"# usage: ./launch.sh --data FILE (see train.py)\n{multi}{env}"
             f"cd \"$(dirname \"$0\")\" && exec {section['command']} \"$@\"\n")

@@ -69,6 +69,9 @@ class MemoryBreakdown(BaseModel):
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    # reserved and device used under each allocator mode ("default", "expandable_segments": PYTORCH_CUDA_ALLOC_CONF
+    # =expandable_segments:True); the meters above are the workload's own mode's
+    by_allocator: dict[str, dict[str, int]] = {}
 
 
 class Peak(NamedTuple):
@@ -87,6 +90,7 @@ class Peak(NamedTuple):
     saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
     state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
     rates: Throughput | None = None  # the speed model's prediction for this configuration
+    by_allocator: dict[str, dict[str, int]] = {}  # meters.mode_report
 
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
@@ -99,13 +103,19 @@ def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBrea
                      params_trainable=sum(g.total for g in table if g.trainable),
                      params_by_category=category_totals(table))
     breakdown = {k: int(p.parts.get(k, 0)) for k in BREAKDOWN_KEYS}
+    fits = p.device_used <= usable
+    expandable = p.by_allocator.get("expandable_segments", {}).get("device_used_bytes")
+    notes = p.notes
+    if not fits and not w.expandable_segments and expandable is not None and expandable <= usable:
+        notes = notes + [f"fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: {expandable / 2**30:.2f} GiB "
+                         "device used, as the allocator no longer rounds each segment (--expandable-segments)"]
     return MemoryBreakdown(
         model=info, gpu=gpu.name, workload=w, breakdown=breakdown, peak_phase=p.peak_phase,
         phases={k: int(v) for k, v in p.phases.items()}, activations_per_layer=p.per_layer,
         peak_allocated_bytes=p.allocated, peak_reserved_bytes=p.reserved, device_used_bytes=p.device_used,
         capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - p.device_used,
-        fits=p.device_used <= usable, notes=p.notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
-        params_per_gpu=p.params_per_gpu,
+        fits=fits, notes=notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
+        params_per_gpu=p.params_per_gpu, by_allocator=p.by_allocator,
         **({} if p.rates is None else dict(step_time_s=p.rates.step_seconds, samples_per_s=p.rates.samples_per_s,
                                            tokens_per_s=p.rates.tokens_per_s, mfu=p.rates.mfu)),
     )

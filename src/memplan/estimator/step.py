@@ -25,7 +25,8 @@ from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
-from memplan.estimator.meters import gpu_workspace, meters
+from memplan.estimator.meters import gpu_workspace, meters, mode_report
+from memplan.estimator.timeline import ReplayKey, replay, replayable
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum
 from memplan.inputs import constraints
@@ -208,6 +209,20 @@ class Table(NamedTuple):
     stages: tuple[int, ...]  # the stages evaluated (the first, and the last under PP)
     cells: tuple[StageCells, ...]
     pick_last: np.ndarray  # (B, K) bool: the last stage is the worst
+    modes: "Modes"  # reserved and device used in both allocator modes
+
+
+class Modes(NamedTuple):
+    """(B, K) reserved and device used under the default allocator and under expandable segments."""
+
+    reserved_default: np.ndarray
+    used_default: np.ndarray
+    reserved_expandable: np.ndarray
+    used_expandable: np.ndarray
+
+    def cell(self, b: int, k: int) -> dict[str, dict[str, int]]:
+        return mode_report(int(self.reserved_default[b, k]), int(self.used_default[b, k]),
+                           int(self.reserved_expandable[b, k]), int(self.used_expandable[b, k]))
 
 
 def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[int], per_rank: int) -> Table:
@@ -231,14 +246,18 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
         sel = (pick_last if si == len(cells) - 1 and pp > 1 else ~pick_last) & (moment < OPTIMIZER_STEP)
         act_segs[sel] = activation_segments(stack, stages[si], pp, c, moment, sel)
     churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0])
-    allocated, reserved, used = meters(gpu, np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent),
-                                       act_segs, churn)
-    used = used + chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
+    mt = meters(gpu, np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
+    managed = chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
+    modes = Modes(mt.reserved, mt.device_used + managed, mt.reserved_expandable, mt.device_used_expandable + managed)
+    expandable = _col([w.expandable_segments for w in bases]).astype(bool)
+    allocated = mt.allocated
+    reserved = np.where(expandable, mt.reserved_expandable, mt.reserved)
+    used = np.where(expandable, modes.used_expandable, modes.used_default)
     saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states + c.managed)
     params = chosen(lambda c: c.n_params)
     terms = cost.step_time(spec, gpu, bases, mb, ms, state, params)
     return Table(allocated, reserved, used, chosen(lambda c: c.cpu), params, saved, state, terms.sum(axis=0), terms,
-                 moment, stages, cells, pick_last)
+                 moment, stages, cells, pick_last, modes)
 
 
 def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, moment: np.ndarray,
@@ -282,20 +301,38 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     return cell_peak(spec, gpu, evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum), w, 0, 0)
 
 
-def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int) -> Peak:
-    """The report of cell (b, k) of a table, whose workload (with its micro batch and accumulation) is w."""
+def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int, replayed: bool = True) -> Peak:
+    """The report of cell (b, k) of a table, whose workload (with its micro batch and accumulation) is w.
+    replayed: reserved and device used from the replayed allocations where they cover w (timeline.py), else the
+    table's segment arithmetic."""
     last = bool(t.pick_last[b, k])
     c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[b, k])
     parts = {name: int(v[b, k]) for name, v in breakdown(c, t.moment).items()}
-    allocated, reserved = int(t.allocated[b, k]), int(t.reserved[b, k])
+    allocated = int(t.allocated[b, k])
+    by_mode = t.modes.cell(b, k)
+    if replayed and replayable(w):
+        by_mode = _with_replay(by_mode, spec, gpu, w, allocated)
+    modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
+    reserved = modes["peak_reserved_bytes"]
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
     return Peak(parts, phases, PHASES[i], _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers),
-                _per_layer_terms(spec, w), allocated, reserved, int(t.device_used[b, k]), int(t.cpu_per_gpu[b, k]),
+                _per_layer_terms(spec, w), allocated, reserved, modes["device_used_bytes"], int(t.cpu_per_gpu[b, k]),
                 int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]),
                 cost.workload_rates(spec, gpu, w, w.micro_batch, w.grad_accum, float(t.step[b, k]),
-                                    cost.StepTime(*t.terms[:, b, k].tolist())))
+                                    cost.StepTime(*t.terms[:, b, k].tolist())), by_mode)
+
+
+def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, allocated: int) -> dict:
+    """Each allocator mode's reserved as the caching-allocator simulation gives it for the estimate's own
+    allocations replayed in order (timeline.py), beside the meters: these agree with verify's simulation of
+    traced allocations, but fall below real runs' measurements (docs/estimator.md), so the meters that decide
+    what fits stay the segment arithmetic."""
+    r = replay(ReplayKey.of(spec, w))
+    ws = gpu_workspace(gpu)
+    sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}
+    return {mode: v | {"simulated_reserved_bytes": max(sim[mode] + ws, allocated)} for mode, v in by_mode.items()}
 
 
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:

@@ -84,6 +84,9 @@ class Workload(BaseModel):
     # memplan.kernels' tiled MLP (apply(model, mlp=True)): each layer's MLP over chunks of tokens, recomputed
     # in backward, so a layer keeps only the MLP's input (docs/kernels.md)
     tiled_mlp: bool = False
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator grows one segment per pool by
+    # mapping pages at its end, instead of cudaMalloc'ing a segment per miss (reserved, device used)
+    expandable_segments: bool = False
     net_gbs: Annotated[float, Finite] | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
     # -- fine-tuning method (docs/finetune.md) ---------------------------------------------------------
     # full: every parameter trained. lora: the base frozen in its load dtype, PEFT LoRA adapters trained.

@@ -64,8 +64,12 @@ def _infer(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
         for mb in mbs:
             w = base.model_copy(update={"micro_batch": mb, "grad_accum": per_rank // mb})
             p = peak(spec, gpu, w)
-            if p.device_used <= usable:
-                found.append(Candidate(base, mb, per_rank // mb, p.device_used, usable - p.device_used, p.rates))
+            used = p.device_used
+            if used > usable and req.expandable_segments is None:  # fits only with expandable segments
+                used = p.by_allocator["expandable_segments"]["device_used_bytes"]
+                base = base.model_copy(update={"expandable_segments": used <= usable})
+            if used <= usable:
+                found.append(Candidate(base, mb, per_rank // mb, used, usable - used, p.rates))
     return Found(found, len(ws) * len(mbs))
 
 
@@ -78,6 +82,10 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     t = evaluate(spec, gpu, ws, mbs, per_rank)
     valid = np.asarray(constraints.batch_allowed(ws, mbs, per_rank, spec, gpu), dtype=bool)
     fits = valid & (t.device_used <= usable)
+    # where the user left the allocator to memplan, a cell that fits only with expandable segments is a plan
+    # that runs with them (PYTORCH_CUDA_ALLOC_CONF in launch.sh)
+    expand = valid & ~fits & (t.modes.used_expandable <= usable) if req.expandable_segments is None else fits & False
+    fits = fits | expand
     limit, short = host_limit(req, sp.gpus), 0
     if limit is not None:  # host RAM is a limit like the GPU's: what offload pins must fit it
         host = t.cpu_per_gpu * sp.gpus
@@ -90,19 +98,23 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
     found = []
     rows, cols = np.nonzero(fits)
+    used_exp = t.modes.used_expandable.tolist()
     for b, k in zip(rows.tolist(), cols.tolist()):
         w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
+        if expand[b, k]:
+            w, dev = w.model_copy(update={"expandable_segments": True}), used_exp[b][k]
         r = workload_rates(spec, gpu, w, mb, m, steps[b][k], StepTime(*terms[b][k]), model_f[b])
         found.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
     return Found(found, int(valid.sum()), short)
 
 
-def plan(req: SearchRequest, c: Candidate) -> Plan:
+def plan(req: SearchRequest, c: Candidate, replayed: bool = True) -> Plan:
     """The Plan document of a candidate: its estimate (read from its table cell, with the host RAM it
-    was held to), and its step time."""
+    was held to), and its step time. replayed: its reserved memory from the replayed allocations
+    (estimator/timeline.py); the Pareto front's plans keep the search's arithmetic, which orders them."""
     w = c.w
     st = c.step
-    est = report(req.spec, req.gpu, w, _peak(req, c))
+    est = report(req.spec, req.gpu, w, _peak(req, c, replayed))
     return Plan(workload=w, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
                 estimate=with_host_limit(est, host_limit(req, w.gpus)),
                 step_seconds=st.total if st else 0.0, step_terms=st._asdict() if st else {})
@@ -110,11 +122,11 @@ def plan(req: SearchRequest, c: Candidate) -> Plan:
 
 def host_ram(req: SearchRequest, c: Candidate) -> int:
     """Host RAM that offload pins per node for the candidate."""
-    return _peak(req, c).cpu_per_gpu * c.w.gpus
+    return _peak(req, c, replayed=False).cpu_per_gpu * c.w.gpus
 
 
-def _peak(req: SearchRequest, c: Candidate):
+def _peak(req: SearchRequest, c: Candidate, replayed: bool = True):
     if c.cell is None:  # inference: one configuration
         return peak(req.spec, req.gpu, c.w)
     t, b, k = c.cell
-    return cell_peak(req.spec, req.gpu, t, c.w, b, k)
+    return cell_peak(req.spec, req.gpu, t, c.w, b, k, replayed)

@@ -18,7 +18,7 @@ FSDP_EQUIVALENT = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FU
 PLAN_KEYS = ("micro_batch", "grad_accum", "global_batch", "dp", "tp", "pp", "zero_stage", "precision", "optim",
              "grad_ckpt", "attn", "seq_len", "samples_per_s", "tokens_per_s", "mfu", "estimate", "sp", "vpp", "offload",
              "gpus", "nodes", "fsdp", "kernels", "tiled_mlp", "fsdp_equivalent", "step_seconds", "step_terms",
-             "host_ram_per_node_bytes", "method")
+             "host_ram_per_node_bytes", "method", "expandable_segments")
 
 
 def _shown(field: str) -> property:
@@ -63,6 +63,7 @@ class Plan(BaseModel):
     kernels = _shown("kernels")
     tiled_mlp = _shown("tiled_mlp")
     method = _shown("method")  # its knobs (rank, targets, quantisation) are in estimate.workload
+    expandable_segments = _shown("expandable_segments")  # launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     @property
     def host_ram_per_node_bytes(self) -> int:

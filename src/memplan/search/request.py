@@ -74,6 +74,9 @@ class SearchRequest(BaseModel):
     # None: off (defaults.KERNELS / TILED_MLP); tried as an alternative on one GPU where the model has them
     kernels: bool | None = None
     tiled_mlp: bool | None = None
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. None: memplan turns it on for a plan that fits only
+    # with it (the emitted launch.sh exports it); True: every plan runs with it; False: none does
+    expandable_segments: bool | None = None
     cpu_mem: Annotated[int | None, bounded("cpu_mem")] = None  # host RAM per node, bytes: offload plans must fit it
     net_gbs: float | None = None
     # the fine-tuning method: one, a comma list, or 'any' (full, lora, qlora); None: full fine-tuning, and
@@ -137,7 +140,7 @@ class SearchRequest(BaseModel):
     def common(self) -> dict[str, Any]:
         """The Workload fields every candidate shares."""
         return dict(task=self.task, momentum=self.momentum, headroom=self.headroom, zero_grad=self.zero_grad,
-                    net_gbs=self.net_gbs)
+                    net_gbs=self.net_gbs, expandable_segments=bool(self.expandable_segments))
 
     def tuning(self, method: str) -> dict[str, Any]:
         """The Workload's method fields for one method: the user's knobs where the method reads them

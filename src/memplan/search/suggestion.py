@@ -89,14 +89,18 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
         notes.append(nothing_fits(req, sp, s.host_short)
                      + (f"; LoRA fits: {' or '.join(a.change for a in method_alt)}" if method_alt else ""))
     whole_front = pareto(found)
+    shown = distinct(found, req.top)
+    if any(c.w.expandable_segments for c in shown) and not req.expandable_segments:
+        notes.append("plans with expandable_segments fit only with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                     "(one growing segment per pool instead of a segment per cache miss); their launch.sh exports it")
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
         global_batch_default=req.global_batch is None, gpus=sp.gpus,
         nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp, found), searched=searched(sp, req.gpus * req.nodes),
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
-        plans=[plan(req, c) for c in distinct(found, req.top)],
-        pareto=[plan(req, c) for c in whole_front[:12]], pareto_size=len(whole_front),
+        plans=[plan(req, c) for c in shown],
+        pareto=[plan(req, c, replayed=False) for c in whole_front[:12]], pareto_size=len(whole_front),
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
 
 

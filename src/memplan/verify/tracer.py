@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memplan.verify.allocator import CachingAllocator
+from memplan.estimator.allocator import CachingAllocator
 from memplan.estimator.allocation import round_block
 
 
@@ -47,6 +47,7 @@ class TraceSummary:
     peak_reserved: int  # allocator simulation of the same alloc / free sequence
     allocations: int
     ops: int
+    peak_reserved_expandable: int = 0  # the same simulation under expandable_segments:True
 
 
 class LiveTracker(TorchDispatchMode):
@@ -143,16 +144,18 @@ class LiveTracker(TorchDispatchMode):
         for i in live:
             breakdown[allocs[i].category] = breakdown.get(allocs[i].category, 0) + size[i]
         peak_alloc = allocs[events[peak_at]] if events and events[peak_at] >= 0 else None
-        sim = CachingAllocator()
+        sim, expandable = CachingAllocator(), CachingAllocator(expandable=True)
         for e in events:
-            if e >= 0:
-                sim.malloc(e, allocs[e].nbytes)
-            else:
-                sim.free(~e)
+            for a in (sim, expandable):
+                if e >= 0:
+                    a.malloc(e, allocs[e].nbytes)
+                else:
+                    a.free(~e)
         return TraceSummary(
             peak_allocated=peak, peak_phase=peak_alloc.phase if peak_alloc else "setup",
             peak_op=peak_alloc.op if peak_alloc else "", breakdown=dict(sorted(breakdown.items())),
-            phases=phase_peak, peak_reserved=sim.peak_reserved, allocations=len(allocs), ops=self.ops)
+            phases=phase_peak, peak_reserved=sim.peak_reserved, allocations=len(allocs), ops=self.ops,
+            peak_reserved_expandable=expandable.peak_reserved)
 
 
 _PHASE_CATEGORY = {"forward": "activations", "backward": "transient", "optimizer": "optimizer_temporaries",

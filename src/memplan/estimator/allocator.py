@@ -18,7 +18,13 @@ default settings, on a single stream:
   neighbours in its segment. Segments are never released, so reserved memory
   only grows.
 
-Not modelled: expandable segments, ``roundup_power2_divisions``,
+``expandable=True`` follows ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the same file, torch
+2.13; docs/verify.md): one segment per pool whose physical memory is mapped at its end on a miss, only
+the shortfall beyond a free block already at the end, in pages of 2 MiB (small pool) and 20 MiB (large
+pool, ``large_segment_size_mb``); any block splits when >= 512 B remain; best fit takes any other free
+block before the one at the end; nothing is unmapped without ``empty_cache``.
+
+Not modelled: ``roundup_power2_divisions``,
 ``max_split_size_mb`` (default unlimited, so the oversize-block rules never
 fire), ``garbage_collection_threshold``, memory fractions, multiple streams /
 ``record_stream`` events, CUDA-graph private pools, ``empty_cache`` and the OOM
@@ -34,6 +40,7 @@ from typing import Iterable, Optional
 # The allocator's constants live in estimator/rules.py and its two size rules in estimator/allocation.py
 # (the estimator uses them too): kMinBlockSize, kSmallSize; round_size -> round_block;
 # get_allocation_size -> round_segment.
+from memplan.estimator.rules import ALLOC_LARGE_BUFFER, ALLOC_SMALL_BUFFER
 from memplan.estimator.rules import ALLOC_MIN_BLOCK as MIN_BLOCK_SIZE
 from memplan.estimator.rules import ALLOC_SMALL_SIZE as SMALL_SIZE
 from memplan.estimator.allocation import round_block as round_size
@@ -43,10 +50,16 @@ __all__ = ["MIN_BLOCK_SIZE", "SMALL_SIZE", "AllocatorStats", "CachingAllocator",
            "reserved_for", "round_size", "should_split", "simulate"]
 
 
-def should_split(block_size: int, size: int) -> bool:
-    """``should_split`` (max_split_size unlimited, no expandable segments)."""
+# expandable segments map physical memory in pages of kSmallBuffer (small pool) and large_segment_size_mb
+# (default 20 MiB: CUDAAllocatorConfig) in the large pool
+EXPANDABLE_PAGE = {True: ALLOC_SMALL_BUFFER, False: ALLOC_LARGE_BUFFER}
+EXPANDABLE_BASE = {True: 0, False: 1 << 50}  # the two pools' virtual address ranges
+
+
+def should_split(block_size: int, size: int, expandable: bool = False) -> bool:
+    """``should_split`` (max_split_size unlimited): an expandable block splits whenever a minimum block remains."""
     remaining = block_size - size
-    if size <= SMALL_SIZE:  # the pool is decided by the request size
+    if size <= SMALL_SIZE or expandable:  # the pool is decided by the request size
         return remaining >= MIN_BLOCK_SIZE
     return remaining > SMALL_SIZE
 
@@ -77,7 +90,10 @@ class CachingAllocator:
     Every call (including zero-byte ones) counts as one event for ``peak_index``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, expandable: bool = False) -> None:
+        self.expandable = expandable
+        self._end = dict(EXPANDABLE_BASE)  # expandable: each pool's mapped end
+        self._last: dict[bool, Optional[_Block]] = {True: None, False: None}  # expandable: the block at the end
         self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self.peak_index = -1
@@ -101,16 +117,18 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._take_free(size, small)
-        if block is None:  # alloc_block: cudaMalloc a new segment
+        if block is None and self.expandable:  # try_allocate_expandable_block: map the shortfall at the end
+            block = self._expand(size, small)
+        elif block is None:  # alloc_block: cudaMalloc a new segment
             seg = allocation_size(size)
             block = _Block(self._next_addr, seg, small)
             self._next_addr += seg
             self._blocks[block.addr] = block
             self._segments.append(block.addr)
             self.reserved += seg
-            if self.reserved > self.peak_reserved:
-                self.peak_reserved, self.peak_index = self.reserved, index
-        if should_split(block.size, size):  # alloc_found_block
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved, self.peak_index = self.reserved, index
+        if should_split(block.size, size, self.expandable):  # alloc_found_block
             rest = _Block(block.addr + size, block.size - size, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -118,6 +136,8 @@ class CachingAllocator:
             block.next, block.size = rest, size
             self._blocks[rest.addr] = rest
             self._insert_free(rest)
+            if self._last[small] is block:
+                self._last[small] = rest
         block.allocated = True
         self._live[key] = block
         self.allocated += block.size  # block->size, not the request
@@ -148,6 +168,8 @@ class CachingAllocator:
                 block.next = other.next
                 if block.next is not None:
                     block.next.prev = block
+                if self._last[block.small] is other:
+                    self._last[block.small] = block
             block.size += other.size
         self._insert_free(block)
 
@@ -168,12 +190,38 @@ class CachingAllocator:
 
     def _take_free(self, size: int, small: bool) -> Optional[_Block]:
         # get_free_block: lower_bound on (size, ptr). The max_split_size checks
-        # there never trigger with the default (SIZE_MAX) setting.
+        # there never trigger with the default (SIZE_MAX) setting. Expandable: the free block at the end
+        # counts as the rest of the segment (huge), so every other fitting block comes first.
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))
+        last = self._last[small]
+        if self.expandable and i < len(pool) and last is not None and pool[i][1] == last.addr:
+            i = i + 1 if i + 1 < len(pool) else i
         if i == len(pool):
             return None
         return self._blocks[pool.pop(i)[1]]
+
+    def _expand(self, size: int, small: bool) -> _Block:
+        """Map pages at the end of the pool's segment for `size` bytes, merged into a free block already there."""
+        last = self._last[small]
+        tail = last if last is not None and not last.allocated else None
+        have = tail.size if tail is not None else 0
+        page = EXPANDABLE_PAGE[small]
+        grow = -(-(size - have) // page) * page
+        self.reserved += grow
+        end = self._end[small]
+        self._end[small] = end + grow
+        if tail is not None:
+            self._remove_free(tail)
+            tail.size += grow
+            return tail
+        block = _Block(end, grow, small)
+        block.prev = last
+        if last is not None:
+            last.next = block
+        self._blocks[block.addr] = block
+        self._last[small] = block
+        return block
 
     def _insert_free(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.size, block.addr))
@@ -183,10 +231,10 @@ class CachingAllocator:
         del pool[bisect.bisect_left(pool, (block.size, block.addr))]
 
 
-def simulate(events: Iterable[tuple[int, int]]) -> AllocatorStats:
+def simulate(events: Iterable[tuple[int, int]], expandable: bool = False) -> AllocatorStats:
     """Replay ``(key, nbytes)`` events: nbytes > 0 allocates (0 is ignored),
     nbytes < 0 (conventionally -1) frees the block allocated for ``key``."""
-    alloc = CachingAllocator()
+    alloc = CachingAllocator(expandable)
     for key, nbytes in events:
         if nbytes < 0:
             alloc.free(key)

@@ -1,0 +1,81 @@
+"""PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True end to end: the estimate in both allocator modes, suggest
+turning it on for a plan that fits only with it, and the launch files exporting it."""
+
+import subprocess
+
+import pytest
+
+import memplan
+from memplan.emit import launch
+
+KW = dict(seq_len=2048, precision="bf16", grad_ckpt="none", attn="sdpa", optim="adamw_torch_fused")
+GPU = "a100-40g"
+
+
+@pytest.fixture(scope="module")
+def between():
+    """A headroom whose usable memory lies between the two modes' device used for llama-3.2-1b at batch 1."""
+    e = memplan.estimate("llama-3.2-1b", GPU, micro_batch=1, **KW)
+    default = e.by_allocator["default"]["device_used_bytes"]
+    expandable = e.by_allocator["expandable_segments"]["device_used_bytes"]
+    assert expandable < default  # one segment per pool: no per-segment rounding of the large tensors
+    return e, round(1 - (default + expandable) / 2 / e.capacity_bytes, 4)
+
+
+def test_estimate_reports_both_modes(between):
+    e, _ = between
+    assert e.peak_reserved_bytes == e.by_allocator["default"]["peak_reserved_bytes"]
+    on = memplan.estimate("llama-3.2-1b", GPU, micro_batch=1, expandable_segments=True, **KW)
+    assert on.peak_reserved_bytes == e.by_allocator["expandable_segments"]["peak_reserved_bytes"]
+    assert on.peak_allocated_bytes == e.peak_allocated_bytes  # the allocator mode changes no tensor
+    assert on.peak_reserved_bytes >= on.peak_allocated_bytes
+    assert on.peak_reserved_bytes % (2 * 2**20) == 0  # whole pages
+
+
+def test_estimate_says_when_expandable_segments_make_it_fit(between):
+    _, headroom = between
+    e = memplan.estimate("llama-3.2-1b", GPU, micro_batch=1, headroom=headroom, **KW)
+    assert not e.fits and "expandable_segments:True" in e.notes[-1]
+
+
+def test_suggest_turns_it_on_only_where_it_makes_a_plan_fit(tmp_path):
+    """The search decides what fits with its own (segment) arithmetic, so the headroom is set between its two
+    modes' device used; the plan it keeps reports the replayed meters (estimator/timeline.py)."""
+    from memplan.estimator.step import evaluate
+
+    spec, gpu = memplan.resolve_model("llama-3.2-1b"), memplan.load_gpu(GPU)
+    t = evaluate(spec, gpu, [memplan.estimate(spec, gpu, micro_batch=1, **KW).workload], [1], 1)
+    default, expandable = float(t.modes.used_default[0, 0]), float(t.modes.used_expandable[0, 0])
+    assert expandable < default
+    headroom = round(1 - (default + expandable) / 2 / gpu.memory_bytes, 4)
+    s = memplan.suggest("llama-3.2-1b", GPU, global_batch=1, headroom=headroom, zero="0", **KW)
+    assert s.plans and all(p.expandable_segments for p in s.plans)
+    assert s.plans[0].model_dump()["expandable_segments"] is True
+    assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in n for n in s.notes)
+    off = memplan.suggest("llama-3.2-1b", GPU, global_batch=1, headroom=headroom, zero="0", expandable_segments=False,
+                          **KW)
+    assert not off.plans
+    roomy = memplan.suggest("llama-3.2-1b", GPU, global_batch=1, zero="0", **KW)
+    assert roomy.plans and not any(p.expandable_segments for p in roomy.plans)
+    # the launch files export it before anything starts CUDA
+    spec = memplan.resolve_model("llama-3.2-1b")
+    section = launch.launch_section(s.plans[0], {"train.py"}, spec)
+    assert section["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    script = tmp_path / "launch.sh"
+    script.write_text(launch.launch_script(section))
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in script.read_text()
+    subprocess.run(["sh", "-n", str(script)], check=True)  # valid shell
+    assert launch.launch_section(roomy.plans[0], {"train.py"}, spec)["env"] == {}
+
+
+def test_torch_accepts_the_setting():
+    """The value launch.sh exports is one PyTorch's allocator config parses (on the CPU build, the parser is
+    shared: torch._C._accelerator_setAllocatorSettings)."""
+    torch = pytest.importorskip("torch")
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        pytest.skip("this torch has no allocator-settings parser on the CPU")
+    setter("expandable_segments:True")
+    setter("expandable_segments:False")
+    with pytest.raises((RuntimeError, ValueError)):  # the parser checks the value
+        setter("expandable_segments:Yes")

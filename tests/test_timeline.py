@@ -1,0 +1,51 @@
+"""The replayed allocations (estimator/timeline.py): what they cover, that they agree with the estimate's own
+bytes, and the reserved memory they give in both allocator modes. Against traced allocations: the accuracy
+suite's reserved column and tests/test_verify.py::test_accuracy_fast_subset."""
+
+import pytest
+
+import memplan
+from memplan.estimator.meters import gpu_workspace
+from memplan.estimator.timeline import ReplayKey, replay, replayable
+
+CASES = [("bert-large", dict(micro_batch=4, seq_len=512, precision="fp16", attn="eager", optim="adamw_torch")),
+         ("llama-3.2-1b", dict(micro_batch=2, seq_len=2048, precision="bf16", grad_ckpt="full", grad_accum=4)),
+         ("gpt2", dict(micro_batch=8, seq_len=1024, precision="fp32", optim="adafactor")),
+         ("qwen2.5-0.5b", dict(micro_batch=4, seq_len=1024, precision="bf16-pure", optim="adamw_bnb_8bit")),
+         ("llama-3.2-1b", dict(micro_batch=4, seq_len=1024, precision="bf16", method="lora"))]
+
+
+@pytest.mark.parametrize("model,kw", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_replay_allocates_what_the_estimate_counts(model, kw):
+    """The replay's peak allocated is the estimate's within 4 % (the same lists, in order rather than at the
+    estimate's peak moment); its reserved covers it in both modes and is reported as simulated_reserved_bytes."""
+    spec = memplan.resolve_model(model)
+    e = memplan.estimate(spec, "a100-80g", **kw)
+    assert replayable(e.workload)
+    r = replay(ReplayKey.of(spec, e.workload))
+    ws = gpu_workspace(memplan.load_gpu("a100-80g"))
+    assert r.peak_allocated + ws == pytest.approx(e.peak_allocated_bytes, rel=0.04)
+    assert r.reserved >= r.peak_allocated and r.reserved_expandable >= r.peak_allocated
+    sim = {m: v["simulated_reserved_bytes"] for m, v in e.by_allocator.items()}
+    assert sim == {"default": max(r.reserved + ws, e.peak_allocated_bytes),
+                   "expandable_segments": max(r.reserved_expandable + ws, e.peak_allocated_bytes)}
+
+
+def test_replay_is_a_cached_pure_function():
+    spec = memplan.resolve_model("gpt2")
+    w = memplan.estimate(spec, "a100-80g", micro_batch=2, seq_len=512).workload
+    k = ReplayKey.of(spec, w)
+    first = replay(k)
+    replay.cache_clear()
+    assert replay(k) == first
+
+
+@pytest.mark.parametrize("kw", [dict(gpus=2), dict(gpus=2, zero=2), dict(gpus=2, fsdp="full-shard"),
+                                dict(method="qlora"), dict(task="infer", grad_ckpt="none")])
+def test_outside_the_replay_only_the_segment_arithmetic(kw):
+    spec = memplan.resolve_model("llama-3.2-1b")
+    work = dict(micro_batch=1, seq_len=1024, precision="bf16", grad_ckpt="full") | kw
+    e = memplan.estimate(spec, "a100-80g", **work)
+    assert not replayable(e.workload)
+    assert e.peak_reserved_bytes == e.by_allocator["default"]["peak_reserved_bytes"] >= e.peak_allocated_bytes
+    assert "simulated_reserved_bytes" not in e.by_allocator["default"]
