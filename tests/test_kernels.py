@@ -324,8 +324,8 @@ def test_suggest_offers_the_fused_loss_where_it_fits_more():
 @pytest.mark.parametrize("model, mb, seq, kw", [
     ("gpt2", 4, 1024, dict(precision="bf16")),  # gpt2 has 1,024 learned positions
     ("gpt2", 4, 1024, dict(precision="fp32")),
-    ("bert-base", 32, 512, dict(precision="bf16")),
-    ("bert-base", 32, 512, dict(precision="bf16-pure", grad_ckpt="full")),
+    ("bert-base", 16, 512, dict(precision="bf16")),  # 11 chunks of 768 tokens per layer
+    ("bert-base", 16, 512, dict(precision="bf16-pure", grad_ckpt="full")),
 ])
 def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
     """`--tiled-mlp`: each layer keeps the MLP's input, one chunk is recomputed in backward; against the

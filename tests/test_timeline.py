@@ -20,7 +20,7 @@ def test_replay_allocates_what_the_estimate_counts(model, kw):
     """The replay's peak allocated is the estimate's within 4 % (the same lists, in order rather than at the
     estimate's peak moment); its reserved covers it in both modes and is reported as simulated_reserved_bytes."""
     spec = memplan.resolve_model(model)
-    e = memplan.estimate(spec, "a100-80g", **kw)
+    e = memplan.estimate(spec, "a100-80g", simulate=True, **kw)
     assert replayable(e.workload)
     r = replay(ReplayKey.of(spec, e.workload))
     ws = gpu_workspace(memplan.load_gpu("a100-80g"))
@@ -45,7 +45,19 @@ def test_replay_is_a_cached_pure_function():
 def test_outside_the_replay_only_the_segment_arithmetic(kw):
     spec = memplan.resolve_model("llama-3.2-1b")
     work = dict(micro_batch=1, seq_len=1024, precision="bf16", grad_ckpt="full") | kw
-    e = memplan.estimate(spec, "a100-80g", **work)
+    e = memplan.estimate(spec, "a100-80g", simulate=True, **work)
     assert not replayable(e.workload)
     assert e.peak_reserved_bytes == e.by_allocator["default"]["peak_reserved_bytes"] >= e.peak_allocated_bytes
     assert "simulated_reserved_bytes" not in e.by_allocator["default"]
+
+
+def test_the_api_simulates_only_when_asked():
+    """The replay costs 0.05-0.3 s: a launcher's estimate calls skip it unless they ask (the CLI asks)."""
+    kw = dict(micro_batch=2, seq_len=512, precision="bf16")
+    plain = memplan.estimate("gpt2", "a100-80g", **kw)
+    asked = memplan.estimate("gpt2", "a100-80g", simulate=True, **kw)
+    assert "simulated_reserved_bytes" not in plain.by_allocator["default"]
+    assert "simulated_reserved_bytes" in asked.by_allocator["default"]
+    assert plain.peak_reserved_bytes == asked.peak_reserved_bytes  # the meters do not depend on it
+    with pytest.raises(memplan.UserError, match="simulate"):
+        memplan.estimate("gpt2", "a100-80g", simulate="yes", **kw)

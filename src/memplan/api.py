@@ -69,7 +69,8 @@ def workload(**kwargs: Any) -> Workload:
 
 
 def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None = None,
-             trust_remote_code: bool = False, cpu_mem: int | None = None, **work: Any) -> estimator.MemoryBreakdown:
+             trust_remote_code: bool = False, cpu_mem: int | None = None, simulate: bool = False,
+             **work: Any) -> estimator.MemoryBreakdown:
     """Predict the memory of one configuration.
 
     >>> memplan.estimate("bert-large", "v100-16g", micro_batch=4, seq_len=512, precision="fp32")
@@ -77,7 +78,9 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     attn, max_new_tokens, beams, momentum, zero_grad, headroom, kernels, tiled_mlp, and the layout: gpus,
     nodes, tp, pp, vpp, sp, zero, offload, fsdp, net_gbs). What is left out gets memplan's
     defaults (memplan.inputs.defaults), said in the result's `defaults`; cpu_mem: host RAM per node in
-    bytes (default: the GPU profile's typical host), which what offload pins must fit.
+    bytes (default: the GPU profile's typical host), which what offload pins must fit. simulate: also replay the
+    estimate's allocations through the caching-allocator simulation (by_allocator[mode].simulated_reserved_bytes,
+    0.05-0.3 s more; docs/estimator.md).
     """
     _check_keywords(work, Workload.model_fields, "estimate")
     if cpu_mem is not None and (not isinstance(cpu_mem, int) or isinstance(cpu_mem, bool)):
@@ -92,7 +95,9 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     chosen_work = {k: v for k, v in defaults.choose(spec, prof, given).values.items() if k != "cpu_mem"}
     w = workload(**(work | chosen_work))
     chosen = defaults.choose(spec, prof, given, gpus=w.gpus)  # the host RAM of a node of w.gpus GPUs
-    est = with_host_limit(estimator.estimate(spec, prof, w), chosen.values.get("cpu_mem", cpu_mem))
+    if not isinstance(simulate, bool):
+        raise UserError(f"simulate: True or False; got {simulate!r}")
+    est = with_host_limit(estimator.estimate(spec, prof, w, simulate), chosen.values.get("cpu_mem", cpu_mem))
     said = chosen.said + finetune.assumed(spec, w, set(work), half_model(w))
     return est.model_copy(update={"defaults": said, "notes": est.notes + defaults.precision_notes(w)})
 

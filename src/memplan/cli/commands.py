@@ -190,7 +190,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
     """Predict the memory of one configuration: breakdown and the three meters."""
     from memplan import api
 
-    est = api.estimate(model, gpu, head=head, trust_remote_code=trust_remote_code, cpu_mem=_cpu_mem(cpu_mem),
+    est = api.estimate(model, gpu, head=head, trust_remote_code=trust_remote_code, cpu_mem=_cpu_mem(cpu_mem), simulate=True,
                        task=task, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                        precision=precision, optim=optim, momentum=_momentum(optim_args), grad_ckpt=grad_ckpt,
                        attn=attn, max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, zero_grad=zero_grad,

@@ -293,24 +293,24 @@ def _col(values) -> np.ndarray:
 
 
 # -- one configuration: a one-cell table ----------------------------------------------------------
-def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
+def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool = False) -> Peak:
     """The three meters of one GPU at the peak moment of a step, and the bytes by category (no
     validation of `w` against the model or the hardware: `estimate` does that)."""
     if w.task == "infer":
         return inference_peak(spec, gpu, w)
-    return cell_peak(spec, gpu, evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum), w, 0, 0)
+    t = evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum)
+    return cell_peak(spec, gpu, t, w, 0, 0, simulate)
 
 
-def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int, replayed: bool = True) -> Peak:
+def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int, simulate: bool = False) -> Peak:
     """The report of cell (b, k) of a table, whose workload (with its micro batch and accumulation) is w.
-    replayed: reserved and device used from the replayed allocations where they cover w (timeline.py), else the
-    table's segment arithmetic."""
+    simulate: add the simulated reserved of the replayed allocations where they cover w (timeline.py)."""
     last = bool(t.pick_last[b, k])
     c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[b, k])
     parts = {name: int(v[b, k]) for name, v in breakdown(c, t.moment).items()}
     allocated = int(t.allocated[b, k])
     by_mode = t.modes.cell(b, k)
-    if replayed and replayable(w):
+    if simulate and replayable(w):
         by_mode = _with_replay(by_mode, spec, gpu, w, allocated)
     modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
     reserved = modes["peak_reserved_bytes"]
@@ -358,6 +358,6 @@ def _per_layer_terms(spec: ModelSpec, w: Workload) -> dict[str, int]:
     return out
 
 
-def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> MemoryBreakdown:
+def estimate(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool = False) -> MemoryBreakdown:
     constraints.check(spec, gpu, w)
-    return report(spec, gpu, w, peak(spec, gpu, w))
+    return report(spec, gpu, w, peak(spec, gpu, w, simulate))

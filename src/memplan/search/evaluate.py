@@ -108,13 +108,12 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     return Found(found, int(valid.sum()), short)
 
 
-def plan(req: SearchRequest, c: Candidate, replayed: bool = True) -> Plan:
+def plan(req: SearchRequest, c: Candidate) -> Plan:
     """The Plan document of a candidate: its estimate (read from its table cell, with the host RAM it
-    was held to), and its step time. replayed: its reserved memory from the replayed allocations
-    (estimator/timeline.py); the Pareto front's plans keep the search's arithmetic, which orders them."""
+    was held to), and its step time."""
     w = c.w
     st = c.step
-    est = report(req.spec, req.gpu, w, _peak(req, c, replayed))
+    est = report(req.spec, req.gpu, w, _peak(req, c))
     return Plan(workload=w, samples_per_s=c.samples_per_s, tokens_per_s=c.tokens_per_s, mfu=c.mfu,
                 estimate=with_host_limit(est, host_limit(req, w.gpus)),
                 step_seconds=st.total if st else 0.0, step_terms=st._asdict() if st else {})
@@ -122,11 +121,11 @@ def plan(req: SearchRequest, c: Candidate, replayed: bool = True) -> Plan:
 
 def host_ram(req: SearchRequest, c: Candidate) -> int:
     """Host RAM that offload pins per node for the candidate."""
-    return _peak(req, c, replayed=False).cpu_per_gpu * c.w.gpus
+    return _peak(req, c).cpu_per_gpu * c.w.gpus
 
 
-def _peak(req: SearchRequest, c: Candidate, replayed: bool = True):
+def _peak(req: SearchRequest, c: Candidate):
     if c.cell is None:  # inference: one configuration
         return peak(req.spec, req.gpu, c.w)
     t, b, k = c.cell
-    return cell_peak(req.spec, req.gpu, t, c.w, b, k, replayed)
+    return cell_peak(req.spec, req.gpu, t, c.w, b, k)

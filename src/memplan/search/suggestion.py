@@ -100,7 +100,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
         plans=[plan(req, c) for c in shown],
-        pareto=[plan(req, c, replayed=False) for c in whole_front[:12]], pareto_size=len(whole_front),
+        pareto=[plan(req, c) for c in whole_front[:12]], pareto_size=len(whole_front),
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
 
 

@@ -483,7 +483,7 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         said.append(item)
     work.update({k: v for k, v in given.items() if v is not None})
     spec, prof = api.resolve_spec(model, head, trust_remote_code), api.resolve_gpu(gpu)
-    est = api.estimate(spec, prof, **work)
+    est = api.estimate(spec, prof, simulate=True, **work)
     w = est.workload
     if w.world > 1 or w.zero or w.fsdp != "none":
         raise UserError("verify runs the single-GPU Trainer step; multi-GPU plans (data / tensor / pipeline "
