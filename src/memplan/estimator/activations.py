@@ -439,10 +439,16 @@ def _moe_layers(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
         replace(t, nbytes=t.nbytes * (1 - share)) for t in _mlp_block(spec, T, prec)]
 
 
+def norms_per_layer(spec: ModelSpec, cross_attending: bool = False) -> int:
+    """LayerNorms / RMSNorms in one layer: the config's count where it decides (Falcon), else the family's, else
+    2 (3 in a cross-attending decoder layer)."""
+    return spec.layer_norms or family(spec.model_type).norms_per_layer or (3 if cross_attending else 2)
+
+
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
            s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
     h, T, fam = spec.hidden_size, b * s, family(spec.model_type)
-    n_norms = spec.layer_norms or fam.norms_per_layer or (3 if decoder else 2)
+    n_norms = norms_per_layer(spec, decoder)
     if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
         n_norms -= fam.tiled_mlp_norms
     out: list[Tensors] = []

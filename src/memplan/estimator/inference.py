@@ -126,7 +126,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated, "cuda_context": gpu.cuda_context_bytes}
     saved, state = parts["transient"], parts["weights"] + parts["kv_cache"]
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total, saved, state,
-                inference_throughput(spec, gpu, w, saved, state), mt.report())
+                inference_throughput(spec, gpu, w, saved), mt.report())
 
 
 def _rounded_total(ts: list[Tensors]) -> int:

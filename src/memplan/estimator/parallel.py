@@ -46,7 +46,7 @@ def _group(category: str, shape: tuple[int, ...], count: int, trainable: bool, m
     return ParamGroup.model_construct(category=category, shape=shape, count=count, trainable=trainable, module=module)
 
 
-def _tp_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+def tp_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """Megatron splits each matrix along one dimension; the larger one is split here (ceil), which
     keeps the element count exact to within one row."""
     if tp == 1 or not shape:
@@ -68,7 +68,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGro
     if tp == 1 and pp == 1:
         return list(spec.params)
     for g in spec.params:
-        shape = _tp_shape(g.shape, tp) if g.category in TP_SPLIT else g.shape
+        shape = tp_shape(g.shape, tp) if g.category in TP_SPLIT else g.shape
         per_layer = g.count // L if g.category in LAYER_CATEGORIES else 0
         if per_layer and n_layers:
             out.append(_group(g.category, shape, per_layer * n_layers, g.trainable, g.module))
@@ -77,7 +77,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[ParamGro
             out.append(_group(g.category, shape, rest, g.trainable, g.module))
     if last and pp > 1 and tied_head(spec):
         # the last stage keeps its own copy of the tied matrix; the two copies' gradients are all-reduced
-        out.append(_group("head", _tp_shape((spec.vocab_size, spec.hidden_size), tp), 1, True))
+        out.append(_group("head", tp_shape((spec.vocab_size, spec.hidden_size), tp), 1, True))
     return out
 
 

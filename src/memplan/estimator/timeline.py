@@ -16,11 +16,11 @@ from typing import NamedTuple
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import ActivationModel, Tensors
 from memplan.estimator.allocator import CachingAllocator
-from memplan.estimator.finetune import Tuning, element_bytes, stored_tensors, tuned_params
+from memplan.estimator.finetune import Tuning, element_bytes, stored_tensors, tied_embedding, tuned_params
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
-from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 
 STEPS = 2
@@ -153,7 +153,7 @@ class _Step:
         self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
         loss = self.tensors(self.am.loss_backward)
         for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
-            if g.trainable and (g.category == "head" or self.tied(g)):
+            if g.trainable and (g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g)):
                 self.grad(i, g.count)
         self.sim.free(loss + head)
         again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
@@ -182,10 +182,6 @@ class _Step:
             return []
         return [self.sim.alloc(g.numel * HALF) for g in self.groups if g.category == "head"
                 and element_bytes(g, self.prec.param) == FP32 for _ in range(g.count)]
-
-    def tied(self, g: ParamGroup) -> bool:
-        return tied_head(self.spec) and g.category == "embeddings" and g.shape == (
-            self.spec.vocab_size, self.spec.hidden_size)
 
     def optimizer_step(self, first: bool) -> None:
         trained = [g for g in self.groups if g.trainable]

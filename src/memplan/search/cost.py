@@ -1,13 +1,14 @@
-"""Throughput model for ranking plans: step time = matmul FLOPs at an achievable rate, the memory traffic
-of the saved activations and of the optimizer step, the pipeline bubble, and the communication that is
-not hidden behind compute (docs/cost-model.md).
+"""Throughput model for ranking plans (docs/cost-model.md): one micro batch priced operator by operator
+(search/operators.py's inventory: every GEMM's roofline, the attention core, the memory-bound element moves at
+the achievable bandwidth, a host dispatch floor), times the micro batches, plus the pipeline bubble, the
+communication not hidden behind compute, and the optimizer step; each GPU generation's efficiencies fitted on
+published runs (benchmarks/throughput/compare.py --fit).
 
-FLOPs: 6 * N per token for forward + backward of the dense parameters (Kaplan et al. 2020, "Scaling
-Laws", C = 6N), 2 * N more under full recompute and the attention core's forward again under selective
-recompute (Korthikanti et al. 2022), plus attention's score and
-context matmuls, 4 * s * a * d per layer per token forward (12 with backward), halved for causal
-masks in fused kernels that skip masked tiles. MoE counts only the K routed experts per token
-(model FLOPs, and hardware FLOPs but for Llama 4, whose experts run on every token: idle_expert_params).
+flops_per_token gives the FLOPs MFU and published TFLOP/s are counted in: 6 * N per token for forward +
+backward of the active parameters (Kaplan et al. 2020, C = 6N), 2 * N more under full recompute and the
+attention core's forward again under selective recompute (Korthikanti et al. 2022), plus the attention core
+(operators.attention_forward_flops, x3 with backward). MoE counts only the K routed experts per token (model
+FLOPs, and hardware FLOPs but for Llama 4, whose experts run on every token: idle_expert_params).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.families import family
-from memplan.estimator.parallel import ds_buckets, fetch_unit, stage_params
+from memplan.estimator.parallel import ds_buckets, fetch_unit
+from memplan.estimator.states import layout_params
 from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 from memplan.search import operators as ops
+
 
 class Generation(NamedTuple):
     """What kernels reach on one GPU generation, as fractions of the profile's datasheet figures (docs/cost-model.md
@@ -36,7 +39,8 @@ class Generation(NamedTuple):
     launch_s: float  # host time to dispatch one eager op with autograd (the floor of a kernel's time)
 
 
-# Fitted by benchmarks/throughput/fit.py on benchmarks/throughput/published_runs.json (docs/cost-model.md);
+# Fitted by `python benchmarks/throughput/compare.py --fit` on benchmarks/throughput/published_runs.json
+# (docs/cost-model.md);
 # keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
 GENERATIONS: dict[int, Generation] = {
     7: Generation(matmul=0.59, matmul_fp32=0.61, attention=0.30, bandwidth=0.92, launch_s=31e-6),
@@ -116,11 +120,7 @@ def flops_per_token(spec: ModelSpec, seq: int, attn: str, recompute: str,
     """(model FLOPs, hardware FLOPs incl. recompute) per token of one training step. recompute: none,
     selective (the attention core's forward again) or full (the whole forward again)."""
     n = active_params(spec)
-    causal = spec.arch == "decoder" and attn != "eager"
-    # QK^T at the query / key head width and PV at the value head width, 2 FLOPs per multiply-add (MLA: 192 and
-    # 128 in DeepSeek-V3; else both head_dim, 4 * seq * heads * head_dim)
-    attn_fwd = 2 * seq * spec.num_heads * (spec.head_dim + spec.value_head_dim) * spec.total_layers * (
-        0.5 if causal else 1.0)
+    attn_fwd = seq * ops.attention_forward_flops(spec, attn)
     model = 6 * n + 3 * attn_fwd
     idle = idle_expert_params(spec)
     hw = model + 6 * idle + {"none": 0, "selective": attn_fwd, "full": 2 * (n + idle) + attn_fwd}[recompute]
@@ -179,7 +179,7 @@ def ring(n: int, nbytes: float, bw: float, kind: str) -> float:
 class StepTime(NamedTuple):
     """Seconds per optimizer step, by term (the sum is the step time)."""
 
-    compute: float  # matmuls + activation traffic of all micro batches, one stage
+    compute: float  # every operator of all micro batches on the last stage, and the gradient accumulation
     bubble: float  # pipeline fill and drain
     tp_comm: float  # tensor-parallel all-reduces (or SP all-gather + reduce-scatter), not overlapped
     pp_comm: float  # point-to-point activations between stages
@@ -286,7 +286,7 @@ def zero3_overlap(spec: ModelSpec, w: Workload) -> float:
     largest fetch unit (estimator/parallel.py), at most all of it."""
     if w.zero != 3:
         return 1.0
-    unit = fetch_unit(spec, stage_params(spec, w.tp, w.pp, w.pp - 1))
+    unit = fetch_unit(spec, list(layout_params(spec, w.tp, w.pp, w.pp - 1)))
     return min(1.0, ds_buckets(spec)["stage3_prefetch_bucket_size"] / max(unit, 1))
 
 
@@ -311,7 +311,7 @@ def zero3_latency(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> float:
     if w.zero != 3 or w.dp == 1:
         return 0.0
     thr = ds_buckets(spec)["stage3_param_persistence_threshold"]
-    units = sum(g.count for g in stage_params(spec, w.tp, w.pp, w.pp - 1) if g.numel > thr)
+    units = sum(g.count for g in layout_params(spec, w.tp, w.pp, w.pp - 1) if g.numel > thr)
     nodes = -(-w.tp * w.dp // w.gpus)
     return 3 * units * ring_latency(w.dp, nodes)
 
@@ -397,17 +397,16 @@ def peak_tflops(gpu: GPUProfile, precision: str) -> float:
     return gpu.tflops.get(COMPUTE_DTYPE[precision]) or gpu.tflops.get("fp32", 1.0)
 
 
-def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, saved_activation_bytes: float,
-                         state_bytes: float) -> Throughput:
-    """One forward of the micro batch, priced per operator as training's forward share (micro_seconds), plus
-    reading the working set (KV cache, activations) once; every data-parallel replica serves its own batches.
-    state_bytes: the weights and cache, whose weight part the GEMMs' rooflines already read."""
+def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_bytes: float) -> Throughput:
+    """One forward of the micro batch, priced per operator as training's forward share (micro_seconds; the GEMMs'
+    rooflines read the weights), plus reading the no-grad working set once (the KV cache is not read again:
+    docs/cost-model.md); every data-parallel replica serves its own batches."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
     tokens = w.micro_batch * seq
     compute = w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
     o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
     t = float(micro_seconds(o, gpu, compute, np.array([float(tokens)]), seq, forward_only=True)[0])
-    t += saved_activation_bytes / (gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth)
+    t += working_bytes / (gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth)
     fwd = 2 * active_params(spec) * tokens
     peak = peak_tflops(gpu, w.precision)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))

@@ -84,7 +84,9 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     fits = valid & (t.device_used <= usable)
     # where the user left the allocator to memplan, a cell that fits only with expandable segments is a plan
     # that runs with them (PYTORCH_CUDA_ALLOC_CONF in launch.sh)
-    expand = valid & ~fits & (t.modes.used_expandable <= usable) if req.expandable_segments is None else fits & False
+    expand = valid & ~fits & (t.modes.used_expandable <= usable)
+    if req.expandable_segments is not None:  # the user decided: True runs every base with them, False none
+        expand[:] = False
     fits = fits | expand
     limit, short = host_limit(req, sp.gpus), 0
     if limit is not None:  # host RAM is a limit like the GPU's: what offload pins must fit it

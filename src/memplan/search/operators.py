@@ -13,8 +13,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from memplan.estimator.activations import norms_per_layer
 from memplan.estimator.families import family
 from memplan.estimator.finetune import Tuning, tuned_params
+from memplan.estimator.parallel import tp_shape
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -98,18 +100,9 @@ class OpsKey(NamedTuple):
         return cls(spec, Tuning.of(w), w.tp, w.sp, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
 
 
-def _split(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """One TP rank's shape: Megatron splits each matrix along one dimension (the larger here, as
-    estimator/parallel.py does)."""
-    if tp == 1:
-        return shape
-    i = max(range(len(shape)), key=lambda j: shape[j])
-    return shape[:i] + (-(-shape[i] // tp),) + shape[i + 1:]
-
-
 def _gemm(spec: ModelSpec, g: ParamGroup, tp: int) -> Gemm | None:
     """The matmul a weight takes part in, or None (norms, biases, embeddings, a classifier on one token)."""
-    shape = _split(g.shape, tp)
+    shape = tp_shape(g.shape, tp)
     passes = 3 if g.trainable else 2
     if g.category == "experts" and len(shape) == 3:  # fused experts (E, out, in): each expert sees K/E of the tokens
         e = shape[0]
@@ -149,9 +142,8 @@ def step_ops(key: OpsKey) -> StepOps:
         emb_trains = any(g.trainable for g in params if g.category == "embeddings")
         head.append(Gemm(1.0, -(-spec.vocab_size // tp), spec.hidden_size, 1, 2 + emb_trains + key.kernels))
     L = spec.total_layers
-    causal = spec.arch == "decoder" and key.attn != "eager"  # fused causal kernels skip the masked tiles
     heads = -(-spec.num_heads // tp)
-    attn_fwd = 2 * heads * (spec.head_dim + spec.value_head_dim) * L * (0.5 if causal else 1.0)
+    attn_fwd = attention_forward_flops(spec, key.attn, tp)
     core_again = key.recompute in ("full", "selective")
     again = 1 + FORWARD_SHARE * full
     fused = key.attn != "eager"
@@ -166,10 +158,20 @@ def step_ops(key: OpsKey) -> StepOps:
                    L * (3 + full) * (LAYER_KERNELS + (1 if fused else EAGER_KERNELS)), L)
 
 
+def attention_forward_flops(spec: ModelSpec, attn: str, tp: int = 1) -> float:
+    """The attention core's forward FLOPs per token per key position, all layers, one TP rank: QK^T at the query /
+    key head width and PV at the value head width, 2 FLOPs per multiply-add (MLA: 192 and 128 in DeepSeek-V3;
+    else both head_dim), halved for the causal mask fused kernels skip the tiles of (eager computes them all)."""
+    causal = spec.arch == "decoder" and attn != "eager"
+    heads = -(-spec.num_heads // tp)
+    return 2 * heads * (spec.head_dim + spec.value_head_dim) * spec.total_layers * (0.5 if causal else 1.0)
+
+
 def _stream_moves(spec: ModelSpec, key: OpsKey) -> float:
-    """Residual-width element moves of one layer: its norms, two residual adds, the hidden dropouts; split over
-    the TP ranks only under sequence parallelism (else every rank repeats them)."""
-    norms = family(spec.model_type).norms_per_layer or spec.layer_norms or (3 if spec.arch == "encoder-decoder" else 2)
+    """Residual-width element moves of one layer on average: its norms, two residual adds, the hidden dropouts;
+    split over the TP ranks only under sequence parallelism (else every rank repeats them)."""
+    norms = (spec.num_layers * norms_per_layer(spec)
+             + spec.num_decoder_layers * norms_per_layer(spec, True)) / max(spec.total_layers, 1)
     dropouts = 2 if spec.hidden_dropout else 0
     per = spec.hidden_size * (norms * NORM_MOVES + 2 * RESIDUAL_MOVES + dropouts * DROPOUT_MOVES)
     return per / (key.tp if key.sp else 1)
