@@ -191,25 +191,42 @@ def loss(rows) -> float:
     return statistics.mean(statistics.mean(v) for v in by.values()) + 0.1 * max(max(v) for v in by.values())
 
 
-def fit(runs) -> None:
-    """Coordinate descent over each generation's constants on a multiplicative grid; prints GENERATIONS."""
+def _major(run) -> int:
+    """The GENERATIONS key whose constants price this run."""
+    major = memplan.load_gpu(_gpu(run["gpu"])).compute_capability[0]
+    return max((k for k in cost.GENERATIONS if k <= major), default=min(cost.GENERATIONS))
+
+
+def fit(runs, rounds: int = 6) -> None:
+    """Coordinate descent over each generation's constants on a multiplicative grid, until a round improves
+    nothing; prints GENERATIONS. A generation's constants price only its own GPUs' runs, so a trial re-evaluates
+    those and keeps the other generations' rows."""
     fields = ("matmul", "matmul_fp32", "attention", "bandwidth", "launch_s")
-    best = loss(evaluate(runs)[0])
-    for _ in range(2):
+    runs = [r for r in runs if _excluded(r) is None]
+    by_major = {k: [r for r in runs if _major(r) == k] for k in cost.GENERATIONS}
+    rows = {k: evaluate(v)[0] for k, v in by_major.items()}
+    best = loss([r for v in rows.values() for r in v])
+    for _ in range(rounds):
+        start = best
         for major in sorted(cost.GENERATIONS):
+            others = [r for k, v in rows.items() if k != major for r in v]
             for f in fields:
-                for step in ((0.5, 0.7, 1.4, 2.0) if f == "launch_s" else (0.7, 0.85, 1.15, 1.3)):
+                for step in (0.5, 0.7, 0.85, 0.95, 1.05, 1.15, 1.4, 2.0) if f == "launch_s" else (
+                        0.7, 0.85, 0.95, 1.05, 1.15, 1.3):
                     g = cost.GENERATIONS[major]
                     value = getattr(g, f) * step
                     cost.GENERATIONS[major] = g._replace(**{f: value if f == "launch_s" else min(value, 0.98)})
-                    trial_loss = loss(evaluate(runs)[0])
+                    trial = evaluate(by_major[major])[0]
+                    trial_loss = loss(others + trial)
                     if trial_loss < best:
-                        best = trial_loss
+                        best, rows[major] = trial_loss, trial
                     else:
                         cost.GENERATIONS[major] = g
             print(major, cost.GENERATIONS[major], f"loss {best:.4f}", file=sys.stderr)
+        if best >= start:
+            break
     for major, g in sorted(cost.GENERATIONS.items()):
-        print(f"    {major}: {g!r},")
+        print(f"    {major}: Generation(" + ", ".join(f"{f}={getattr(g, f):.3g}" for f in fields) + "),")
 
 
 def main() -> None:

@@ -79,7 +79,8 @@ class StepOps(NamedTuple):
     cast_params: int  # weight elements autocast casts per micro batch (twice under full recompute)
     quant_params: int  # 4-bit weight elements dequantised per micro batch, each in forward and backward
     embed_grad: int  # elements of the embedding gradient written per micro batch (0: frozen)
-    kernels: float  # kernel launches of the layers, forward + backward (+ the recomputed forward)
+    core_kernels: float  # the attention core's kernel launches, all layers, forward + backward (+ recompute)
+    elementwise_kernels: float  # the layers' other non-GEMM kernel launches, likewise
     layers: int
 
 
@@ -155,7 +156,7 @@ def step_ops(key: OpsKey) -> StepOps:
                    sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full),
                    sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full),
                    _embed_grad(spec, params),
-                   L * (3 + full) * (LAYER_KERNELS + (1 if fused else EAGER_KERNELS)), L)
+                   L * (3 + full) * (1 if fused else EAGER_KERNELS), L * (3 + full) * LAYER_KERNELS, L)
 
 
 def attention_forward_flops(spec: ModelSpec, attn: str, tp: int = 1) -> float:
