@@ -7,8 +7,10 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import memplan
+from memplan.estimator.inference import decode_kv_traffic, kv_bytes_per_token, layer_windows
 from memplan.estimator.rules import OPTIMIZERS
 from memplan.inputs.workload import Workload
 from memplan.search import cost, operators as ops
@@ -109,3 +111,53 @@ def test_every_kernel_is_no_faster_than_its_launch():
     t = cost.micro_seconds(o, gpu, "fp16", np.array([1.0]), 1)
     assert t[0] >= launches * cost.generation(gpu).launch_s
     assert t[0] == pytest.approx(launches * cost.generation(gpu).launch_s, rel=0.05)  # nothing else at one token
+
+
+# -- serving: generate's decode steps ----------------------------------------------------------------------------
+
+def _serve(model, gpu, new, **kw):
+    return memplan.estimate(model, gpu, task="infer", precision="fp16-pure", micro_batch=1, seq_len=512,
+                            max_new_tokens=new, **kw)
+
+
+def test_decode_steps_read_the_weights_every_token():
+    """A batch-1 decode step reads every weight once (the GEMMs' rooflines are bandwidth-bound at one token), so
+    each new token costs at least the weights' bytes at the achievable bandwidth, and the time grows linearly
+    with the new tokens (the KV cache adds a little per step)."""
+    spec = memplan.resolve_model("llama-3.1-8b")
+    gpu = memplan.load_gpu("a100-80g")
+    t1, t65, t129 = (_serve("llama-3.1-8b", "a100-80g", n).step_time_s for n in (1, 65, 129))
+    per_token = (t129 - t1) / 128
+    weights = 2 * (cost.active_params(spec) - spec.vocab_size * spec.hidden_size)  # the input embedding is a lookup
+    assert per_token >= weights / (gpu.memory_bandwidth_gbs * 1e9 * cost.generation(gpu).bandwidth)
+    assert (t65 - t1) / 64 == pytest.approx(per_token, rel=0.02)
+
+
+def test_generate_rates_count_new_tokens():
+    e = _serve("llama-3.1-8b", "a100-80g", 128)
+    assert e.samples_per_s == pytest.approx(1 / e.step_time_s)
+    assert e.tokens_per_s == pytest.approx(128 / e.step_time_s)
+    scoring = _serve("llama-3.1-8b", "a100-80g", 0)
+    assert scoring.tokens_per_s == pytest.approx(512 / scoring.step_time_s)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(prompt=st.integers(1, 300), new=st.integers(0, 300), window=st.one_of(st.none(), st.integers(1, 400)))
+def test_decode_kv_traffic_closed_form(prompt, new, window):
+    """decode_kv_traffic's closed form against summing the steps: step k of new - 1 attends to prompt + k keys, a
+    sliding layer to min(prompt + k, window) of them (Gemma 2 alternates both); the dynamic cache moves them 3
+    times a step."""
+    spec = memplan.resolve_model("gemma-2-2b")
+    spec = spec.model_copy(update={"sliding_window": window}) if window else spec
+    per_token = kv_bytes_per_token(spec, 2, 2)
+    windows = layer_windows(spec)
+    steps = sum(min(prompt + k, w) if w else prompt + k for k in range(1, new) for w in windows)
+    assert decode_kv_traffic(spec, 1, prompt, new, 2, 2, False) == 3 * per_token * steps
+
+
+def test_static_cache_reads_its_whole_length():
+    dynamic = _serve("llama-3.1-8b", "a100-80g", 256, kv_cache="dynamic")
+    static = _serve("llama-3.1-8b", "a100-80g", 256, kv_cache="static")
+    assert static.step_time_s != dynamic.step_time_s
+    spec = memplan.resolve_model("llama-3.1-8b")
+    assert decode_kv_traffic(spec, 1, 512, 256, 2, 2, True) == 255 * kv_bytes_per_token(spec, 2, 2) * 768 * 32

@@ -51,6 +51,29 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, length: int, kv_bytes: int, 
     return per_token * sequences * tokens
 
 
+def _sum_min(first: int, last: int, window: int | None) -> int:
+    """sum(min(c, window) for c in range(first, last + 1)), in closed form (window None: no cap)."""
+    def below(n: int) -> int:  # sum of min(c, window) for c in 1..n
+        if window is None or n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+    return below(last) - below(first - 1)
+
+
+def decode_kv_traffic(spec: ModelSpec, sequences: int, prompt: int, new: int, kv_bytes: int, v_bytes: int,
+                      static: bool) -> int:
+    """Bytes of KV cache that generate's decode forwards move, all layers: new - 1 of them (the prefill gives the
+    first token), step k attending to prompt + k keys, a sliding layer to its window of them. transformers 5.24's
+    DynamicLayer.update grows each layer by torch.cat, which reads the old cache and writes the new one, and the
+    attention reads it: 3 passes. StaticCache writes one token in place (index_copy_) and the attention reads the
+    whole preallocated length (its mask hides the rest): 1 pass of prompt + new tokens every step."""
+    steps = max(new - 1, 0)
+    per_token = kv_bytes_per_token(spec, kv_bytes, v_bytes) * sequences
+    if static:
+        return steps * per_token * sum(prompt + new if w is None else min(prompt + new, w) for w in layer_windows(spec))
+    return 3 * per_token * sum(_sum_min(prompt + 1, prompt + steps, w) for w in layer_windows(spec))
+
+
 def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
     """bitsandbytes quantises the linear layers' matrices; embeddings, norms and the head stay half."""
     quantisable = g.category in ("attention", "mlp", "experts", "router") and len(g.shape) >= 2
@@ -126,7 +149,14 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated, "cuda_context": gpu.cuda_context_bytes}
     saved, state = parts["transient"], parts["weights"] + parts["kv_cache"]
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total, saved, state,
-                inference_throughput(spec, gpu, w, saved), mt.report())
+                _speed(spec, gpu, w, saved, kv_b, p), mt.report())
+
+
+def _speed(spec: ModelSpec, gpu: GPUProfile, w: Workload, working: int, kv_bytes: int, v_bytes: int):
+    """The speed model's figures for this serving step (search/cost.py inference_throughput)."""
+    traffic = decode_kv_traffic(spec, w.micro_batch * w.beams, w.seq_len, w.max_new_tokens, kv_bytes, v_bytes,
+                                w.kv_cache == "static")
+    return inference_throughput(spec, gpu, w, working, traffic)
 
 
 def _rounded_total(ts: list[Tensors]) -> int:

@@ -207,13 +207,16 @@ def _gemm_seconds(g: ops.Gemm, tokens: np.ndarray, flops_s: float, bytes_s: floa
     return g.count * g.passes * np.maximum(np.maximum(flops / flops_s, moved / bytes_s), launch_s)
 
 
-def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: int,
-                  pp: int = 1, forward_only: bool = False) -> np.ndarray:
+def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: float,
+                  pp: int = 1, forward_only: bool = False, casts: bool = True,
+                  head_tokens: np.ndarray | None = None) -> np.ndarray:
     """Seconds of one micro batch of `tokens` (an array) on the last pipeline stage (its 1/pp of the layers and
     the head): every GEMM's roofline, the attention core, the memory-bound kernels' bytes at the achievable
     bandwidth, per-micro-batch weight traffic. Each class of kernels (every GEMM, the attention core, the
     element-wise kernels) takes no less than the host takes to launch it (Generation.launch_s).
-    forward_only: one forward (serving), the inventory's forward share."""
+    forward_only: one forward (serving), the inventory's forward share. casts: autocast casts the weights (not
+    in a decode step: its cache, alive for the whole generate call, already holds them). head_tokens: the tokens
+    the head runs on, when not every one (generate's prefill keeps the last position's logits only)."""
     gen, prec = generation(gpu), PRECISIONS[precision]
     peak = peak_tflops(gpu, precision) * 1e12
     flops_s = peak * (gen.matmul if prec.half is not None else gen.matmul_fp32)
@@ -227,10 +230,13 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
     elementwise = (o.stream_moves * prec.residual + o.act_moves * prec.act) * tokens * share / bytes_s
     layers = (gemms + np.maximum(core, o.core_kernels * fwd * gen.launch_s)
               + np.maximum(elementwise, o.elementwise_kernels * fwd * gen.launch_s))
-    per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * prec.autocast + o.quant_params * 2 * ops.DEQUANT_BYTES
-                 + o.embed_grad * ops.EMBED_GRAD_MOVES * prec.grad * (not forward_only)) * share / bytes_s
-    head = sum(_gemm_seconds(g, tokens, flops_s, bytes_s, prec.act, gen.launch_s) for g in o.head_gemms) * fwd
-    head = head + o.head_bytes * tokens * share / bytes_s
+    # per micro batch: the casts and the dequantisation run in forward (and dequantisation again in backward)
+    per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * (prec.autocast and casts)
+                 + o.quant_params * (1 if forward_only else 2) * ops.DEQUANT_BYTES
+                 + o.embed_grad * ops.EMBED_GRAD_MOVES * prec.grad * (not forward_only)) / bytes_s
+    at_head = tokens if head_tokens is None else head_tokens
+    head = sum(_gemm_seconds(g, at_head, flops_s, bytes_s, prec.act, gen.launch_s) for g in o.head_gemms) * fwd
+    head = head + o.head_bytes * at_head * share / bytes_s
     return (layers + per_batch) / pp + head
 
 
@@ -404,18 +410,33 @@ def peak_tflops(gpu: GPUProfile, precision: str) -> float:
     return gpu.tflops.get(COMPUTE_DTYPE[precision]) or gpu.tflops.get("fp32", 1.0)
 
 
-def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_bytes: float) -> Throughput:
-    """One forward of the micro batch, priced per operator as training's forward share (micro_seconds; the GEMMs'
-    rooflines read the weights), plus reading the no-grad working set once (the KV cache is not read again:
-    docs/cost-model.md); every data-parallel replica serves its own batches."""
+def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_bytes: float,
+                         decode_kv_bytes: float = 0.0) -> Throughput:
+    """One scoring forward of the micro batch, or one greedy generate call as verify/infer.py runs it: the prompt's
+    forward (the head on the last position only), which gives the first new token, then max_new_tokens - 1 decode
+    forwards of one token per sequence (beams included: generate expands the batch before the prefill). Each
+    forward is priced per operator as training's forward share (micro_seconds; the GEMMs' rooflines read the
+    weights, so a decode step is bandwidth- or launch-bound), the prefill reads the no-grad working set once, a
+    decode step's attention runs over the steps' mean context, and the KV cache the steps move (`decode_kv_bytes`:
+    estimator/inference.py decode_kv_traffic) at the achievable bandwidth. Every data-parallel replica serves its
+    own batches. Rates: sequences per second; tokens per second of the prompts (scoring) or of the new tokens
+    (generate)."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
-    tokens = w.micro_batch * seq
+    seqs, new = w.micro_batch * w.beams, w.max_new_tokens
     compute = w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
     o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
-    t = float(micro_seconds(o, gpu, compute, np.array([float(tokens)]), seq, forward_only=True)[0])
-    t += working_bytes / (gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth)
-    fwd = 2 * active_params(spec) * tokens
+    bw = gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth
+    head = np.array([float(seqs)]) if new else None
+    t = float(micro_seconds(o, gpu, compute, np.array([float(seqs * seq)]), seq, forward_only=True,
+                            head_tokens=head)[0]) + working_bytes / bw
+    steps = max(new - 1, 0)
+    if steps:
+        context = seq + (steps + 1) / 2  # decode step k attends to seq + k keys
+        step = micro_seconds(o, gpu, compute, np.array([float(seqs)]), context, forward_only=True, casts=False)
+        t += steps * float(step[0]) + decode_kv_bytes / bw
+    fwd = 2 * active_params(spec) * seqs * (seq + steps)
     peak = peak_tflops(gpu, w.precision)
+    tokens = w.micro_batch * (new if new else seq)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
 
 
