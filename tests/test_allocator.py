@@ -12,6 +12,8 @@ from memplan.estimator.allocator import (
     round_size,
     simulate,
 )
+from memplan.estimator.allocation import segments_of
+from memplan.estimator.rules import ALLOC_LARGE_BUFFER
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -270,3 +272,19 @@ def test_expandable_invariants(trace):
         assert a.reserved >= before and a.reserved >= a.allocated
         assert a.allocated == sum(live.values())
         assert a.reserved % (2 * MiB) == 0
+
+
+# -- the segment arithmetic against the simulation --------------------------------------------------------
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(sizes, st.integers(1, 4)), min_size=1, max_size=12), st.randoms(use_true_random=False))
+def test_segment_arithmetic_brackets_the_simulation(tensors, rnd):
+    """allocation.segments_of (the estimate's reserved for tensors allocated fresh) against the allocator itself
+    allocating the same tensors in any order: never more than one 20 MiB segment under (best fit can pack a mix of
+    1-10 MiB tensors worse than their shares add up to, in rare orders), never over twice the simulation and a
+    segment (each 1-10 MiB tensor is charged at most twice its bytes)."""
+    order = [n for n, count in tensors for _ in range(count)]
+    rnd.shuffle(order)
+    simulated = reserved_for(order)
+    estimated = segments_of(tensors)
+    assert simulated - ALLOC_LARGE_BUFFER <= estimated <= 2 * simulated + ALLOC_LARGE_BUFFER

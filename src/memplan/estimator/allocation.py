@@ -27,20 +27,26 @@ def round_block(nbytes):
 
 
 def _pools(n, count):
-    """(small, mid, large) reserved bytes of `count` tensors of `n` rounded bytes each, before the small
-    pool's bytes are packed: small ones (<= 1 MiB) share 2 MiB segments, 1-10 MiB ones take 20 MiB
-    segments (as many as they fill), larger ones a segment each rounded to 2 MiB (kSmallBuffer,
+    """(small, mid, large) of `count` tensors of `n` rounded bytes each, before the pools are packed: small ones
+    (<= 1 MiB) by their bytes, which share 2 MiB segments; 1-10 MiB ones by the share of 20 MiB segments they fill
+    (count / how many fit in one); larger ones by their segments, one each rounded to 2 MiB (kSmallBuffer,
     kLargeBuffer, kMinLargeAlloc, kRoundLarge). Numbers or arrays: only arithmetic, no branches."""
     small_m = (n > 0) & (n <= ALLOC_SMALL_SIZE)
     mid_m = (n > ALLOC_SMALL_SIZE) & (n < ALLOC_MIN_LARGE_ALLOC)
     large_m = n >= ALLOC_MIN_LARGE_ALLOC
     per_seg = ALLOC_LARGE_BUFFER // (n * mid_m + (1 - mid_m))  # 1 where not a mid-size tensor
-    return (small_m * n * count, mid_m * (-(-count // per_seg)) * ALLOC_LARGE_BUFFER,
+    return (small_m * n * count, mid_m * count / per_seg,
             large_m * (-(-n // ALLOC_ROUND_LARGE)) * ALLOC_ROUND_LARGE * count)
 
 
 def _packed(small, mid, large):
-    return -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid + large
+    """Reserved bytes of the pools: the small pool's bytes in 2 MiB segments; the 1-10 MiB tensors of every size
+    in as many 20 MiB segments as their shares add up to (best fit puts a tensor in any segment's free tail, so
+    tensors of different sizes share segments: each size's count is rounded only with the rest, where rounding
+    per size charged a tiny model's weights, gradients and each optimizer state a segment apiece, 2-3x the
+    simulation); the large ones as they are."""
+    mid_segments = as_int(-(-(mid - 1e-9) // 1))  # the shares' sum rounded up (1e-9: thirds that add up to one)
+    return -(-small // ALLOC_SMALL_BUFFER) * ALLOC_SMALL_BUFFER + mid_segments * ALLOC_LARGE_BUFFER + large
 
 
 def segments(nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:

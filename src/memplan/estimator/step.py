@@ -39,6 +39,8 @@ PHASES = ("forward-loss", "backward-start", "backward-layer", "optimizer-step", 
 FORWARD_LOSS, BACKWARD_START, BACKWARD_LAYER, OPTIMIZER_STEP, BACKWARD_END = range(len(PHASES))
 # the activation lists alive at a moment besides the saved ones (none at the optimizer step)
 MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BACKWARD_LAYER: "layer_backward"}
+# the per-layer activation lists, one set per layer and micro batch held (StageCells.held)
+HELD_LISTS = ("layer", "decoder_layer", "frozen_layer", "frozen_decoder_layer")
 
 
 # -- one pipeline stage over the table -------------------------------------------------------------
@@ -67,8 +69,7 @@ class StageCells(NamedTuple):
     n_params: np.ndarray
     persistent: np.ndarray  # the persistent tensors' segments
     flight: np.ndarray  # micro batches in flight (float: the interleaved schedule's average)
-    copies: np.ndarray  # per-layer activation sets held: layers x micro batches in flight
-    frozen_copies: np.ndarray  # ... of which recorded frozen blocks' (freeze)
+    held: np.ndarray  # (4, B, K) per-layer activation sets held, layers x micro batches in flight, by HELD list
     n_layers: int
 
 
@@ -150,11 +151,11 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     ])
     transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, np.zeros((B, K), np.int64), tied_sum])
     held = np.maximum(1, np.round(flight)).astype(np.int64)
-    copies, frozen_copies = recorded * held, (f_enc + f_dec) * held
+    sets = np.stack([n_enc * held, n_dec * held, f_enc * held, f_dec * held]).astype(np.int64)
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
-                      c_start, acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, copies,
-                      frozen_copies, n_layers)
+                      c_start, acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, sets,
+                      n_layers)
 
 
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:
@@ -263,29 +264,32 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
 def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, moment: np.ndarray,
                         sel: np.ndarray) -> np.ndarray:
     """The segments of the activation tensors alive at the peak moment of the selected cells, once per
-    distinct (model, micro batch, moment, layers held) rather than per cell."""
+    distinct (model, micro batch, moment, layer sets held) rather than per cell."""
     B, K = moment.shape
-    top = int(c.copies.max()) + 1
-    code = ((np.broadcast_to(stack.rows[:, None], (B, K)) * K + np.arange(K)) * len(PHASES) + moment) * top + c.copies
-    code = code * top + c.frozen_copies  # frozen_copies <= copies
-    uniq, inv = np.unique(code[sel], return_inverse=True)
-    rest, frozen = np.divmod(uniq, top)
-    rest, copies = np.divmod(rest, top)
-    rest, mom = np.divmod(rest, len(PHASES))
-    r, k = np.divmod(rest, K)
+    rows = np.broadcast_to(stack.rows[:, None], (B, K))
+    keys = np.stack([rows[sel], np.broadcast_to(np.arange(K), (B, K))[sel], moment[sel]]
+                    + [h[sel] for h in c.held], axis=1)
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    r, k, mom = uniq[:, 0], uniq[:, 1], uniq[:, 2]
+    sets = uniq[:, 3:].T  # (4, U): HELD_LISTS
     first, last = stage == 0, stage == pp - 1
     mult = np.zeros((len(uniq), len(A.LISTS)), np.int64)  # how many of each list are alive
     full = stack.full[r]  # full checkpointing holds each layer's input instead of its activations
-    mult[:, A.LIST["layer"]] = np.where(full, 0, copies - frozen)
-    mult[:, A.LIST["frozen_layer"]] = np.where(full, 0, frozen)
-    mult[:, A.LIST["layer_input"]] = np.where(full, copies, 0)
+    for name, n in zip(HELD_LISTS, sets):
+        mult[:, A.LIST[name]] = np.where(full, 0, n)
+    mult[:, A.LIST["layer_input"]] = np.where(full, sets.sum(axis=0), 0)
+    rebuilt = np.flatnonzero(full & (mom == BACKWARD_LAYER))  # full: the layer being recomputed for its backward
+    mult[rebuilt, np.where(sets[1] + sets[3] > 0, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
+    mult[mom == BACKWARD_LAYER, A.LIST["layer_backward"]] = 1  # every stage runs its layers' backward
     if last:
         mult[:, A.LIST["head_saved"]] = 1
-        for moment_i, name in MOMENT_LIST.items():
-            mult[mom == moment_i, A.LIST[name]] = 1
-    return np.zeros(0, np.int64) if not len(uniq) else segments(
-        stack.nbytes[r, k], stack.count[r, k] * np.einsum("utf,uf->ut", stack.member[r, k], mult))[inv.reshape(-1)]
+        for moment_i in (FORWARD_LOSS, BACKWARD_START):
+            mult[mom == moment_i, A.LIST[MOMENT_LIST[moment_i]]] = 1
+    return segments(stack.nbytes[r, k], stack.count[r, k] * np.einsum("utf,uf->ut", stack.member[r, k], mult))[
+        inv.reshape(-1)]
 
 
 def _col(values) -> np.ndarray:
