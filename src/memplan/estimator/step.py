@@ -283,11 +283,10 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     rebuilt = np.flatnonzero(full & (mom == BACKWARD_LAYER))  # full: the layer being recomputed for its backward
     mult[rebuilt, np.where(sets[1] + sets[3] > 0, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
-    mult[mom == BACKWARD_LAYER, A.LIST["layer_backward"]] = 1  # every stage runs its layers' backward
-    if last:
-        mult[:, A.LIST["head_saved"]] = 1
-        for moment_i in (FORWARD_LOSS, BACKWARD_START):
-            mult[mom == moment_i, A.LIST[MOMENT_LIST[moment_i]]] = 1
+    mult[:, A.LIST["head_saved"]] = last
+    for moment_i, name in MOMENT_LIST.items():  # every stage runs its layers' backward, the last one the loss
+        if last or moment_i == BACKWARD_LAYER:
+            mult[mom == moment_i, A.LIST[name]] = 1
     return segments(stack.nbytes[r, k], stack.count[r, k] * np.einsum("utf,uf->ut", stack.member[r, k], mult))[
         inv.reshape(-1)]
 
