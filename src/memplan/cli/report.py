@@ -82,9 +82,13 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     if e.cpu_ram_per_node_bytes or not e.host_ram_fits:  # host RAM said where offload pins some
         c.print(_host_line(e))
     if e.step_time_s:
-        step = "step" if e.workload.task == "train" else "forward of the micro batch"
+        w = e.workload
+        step = "step" if w.task == "train" else (
+            f"generate call (prefill + {w.max_new_tokens - 1} decode steps)" if w.max_new_tokens
+            else "forward of the micro batch")
+        tokens = "new tokens/s" if w.task == "infer" and w.max_new_tokens else "tokens/s"
         c.print(f"speed (predicted, docs/cost-model.md): {e.step_time_s:.3g} s per {step}, "
-                f"{e.samples_per_s:,.1f} samples/s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}")
+                f"{e.samples_per_s:,.1f} samples/s, {e.tokens_per_s:,.0f} {tokens}, MFU {e.mfu:.0%}")
     for n in e.notes:
         c.print(f"note: {n}")
 
