@@ -203,3 +203,17 @@ def test_a_half_stored_trained_head_has_half_gradients():
     st = stage_states(StatesKey.of(spec, w, 0))
     head = [g for g in tuned_params(spec, Tuning.of(w)) if g.category == "head" and g.trainable]
     assert head and st.head_grads == sum(g.numel * 2 for g in head)
+
+
+def test_fsdp_runs_autocast_over_its_half_parameters():
+    """accelerate wraps the forward in autocast under FSDP too (Accelerator.native_amp leaves out only DeepSpeed and
+    Megatron-LM), over the half parameters FSDP gathers: eager GPT-2's softmax keeps fp32 probabilities where
+    DeepSpeed's pure half model keeps half ones; BERT's stream after its embedding LayerNorm is fp32, as on one
+    GPU under autocast; Llama's RMSNorm casts back to the input's dtype, so its stream stays half either way."""
+    def acts(model, attn, **kw):
+        return api.estimate(model, "a100-80g", precision="bf16", micro_batch=2, seq_len=512, attn=attn, gpus=4,
+                            **kw).activations_per_layer
+    assert sum(acts("gpt2", "eager", fsdp="full-shard").values()) > sum(acts("gpt2", "eager", zero=3).values())
+    one_gpu = api.estimate("bert-base", "a100-80g", precision="bf16", micro_batch=2, seq_len=512, attn="sdpa")
+    assert acts("bert-base", "sdpa", fsdp="full-shard") == one_gpu.activations_per_layer
+    assert acts("llama-3.2-1b", "sdpa", fsdp="full-shard") == acts("llama-3.2-1b", "sdpa", zero=3)

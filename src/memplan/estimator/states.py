@@ -49,7 +49,12 @@ def train_precision(w: "Workload | StatesKey") -> Precision:
 
 
 def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
-    """The widths the activations have under the fine-tuning method (docs/finetune.md):
+    """The widths the activations have under FSDP and the fine-tuning method (docs/finetune.md):
+    - FSDP, as the HF Trainer runs it through accelerate: the MixedPrecisionPolicy gathers the parameters in the
+      half type (accelerate 1.15 FullyShardedDataParallelPlugin.set_mixed_precision: param_dtype), and accelerate
+      still wraps the forward in autocast (Accelerator.native_amp leaves out only DeepSpeed and Megatron-LM):
+      half parameters under autocast, as LoRA's half base below (full fine-tuning and freeze; LoRA and QLoRA
+      under FSDP keep the half model's rows, which hold the adapters half as FSDP gathers them);
     - lora: the base is loaded in the half type, so the residual stream is half; under autocast the
       half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS). Where the
       embeddings end with a LayerNorm (BERT), autocast runs it in fp32 (torch 2.13 ATen/autocast_mode.h
@@ -58,8 +63,10 @@ def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
     - qlora: prepare_model_for_kbit_training leaves norms and embeddings in fp32, so the residual stream is
       fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
       layers cast their output back to the fp32 input's dtype, so everything is fp32. Under DeepSpeed the
-      engine casts those fp32 parameters back to half, and FSDP2 gathers them in half and casts the
-      forward's inputs to it (MixedPrecisionPolicy cast_forward_inputs): a half model, pure half."""
+      engine casts those fp32 parameters back to half: a half model, pure half."""
+    if w.fsdp != "none" and w.method in ("full", "freeze") and PRECISIONS[w.precision].autocast:
+        own = PRECISIONS[w.precision]
+        return own if embedding_layernorm(spec) else PRECISIONS[f"{own.half}-halfbase"]
     prec = train_precision(w)
     if w.method == "lora" and prec.half:
         return PRECISIONS[f"{prec.half}-halfbase"] if prec.autocast and not embedding_layernorm(spec) else prec
