@@ -217,3 +217,7 @@ def test_fsdp_runs_autocast_over_its_half_parameters():
     one_gpu = api.estimate("bert-base", "a100-80g", precision="bf16", micro_batch=2, seq_len=512, attn="sdpa")
     assert acts("bert-base", "sdpa", fsdp="full-shard") == one_gpu.activations_per_layer
     assert acts("llama-3.2-1b", "sdpa", fsdp="full-shard") == acts("llama-3.2-1b", "sdpa", zero=3)
+    # LoRA too, its adapters gathered half: lora_A reads the half input as it is, under autocast or not
+    lora = acts("gpt2", "eager", fsdp="full-shard", method="lora")
+    assert sum(lora.values()) > sum(acts("gpt2", "eager", zero=3, method="lora").values())
+    assert "lora: A input (the linear's input)" in lora and "lora: A input (autocast half copy)" not in lora

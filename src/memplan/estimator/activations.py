@@ -632,8 +632,9 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
     Linear.forward: x = x.to(lora_A.weight.dtype); result + lora_B(lora_A(dropout(x))) * scaling; the
     bitsandbytes layers in tuners/lora/bnb.py cast only without autocast). Adapters are fp32, or half in
     a half model (lora.adapter_bytes).
-    - Under autocast, lora_A's matmul casts its input to half: one copy per adapted linear, saved.
-    - Without autocast, an input of another width than the adapters' is cast per adapted linear (saved by
+    - Under autocast over fp32 adapters, lora_A's matmul casts its input to half: one copy per adapted linear,
+      saved. Half adapters (FSDP's, under accelerate's autocast) take a half input as it is.
+    - Otherwise, an input of another width than the adapters' is cast per adapted linear (saved by
       lora_A); an input of their width is saved once for the linears that read it, unless dropout makes
       one output per linear.
     - Dropout (p > 0) saves its mask (native_dropout) per adapted linear.
@@ -644,7 +645,7 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
     for a in adapters:
         x_bytes = prec.act if a.inner else prec.residual
         n, x = a.count, a.width * T
-        if prec.autocast:
+        if prec.autocast and ad > HALF:
             out.append(Tensors("lora: A input (autocast half copy)", HALF * x, n))
         elif lora.dropout:
             out.append(Tensors("lora: A input (dropout output)", ad * x, n))

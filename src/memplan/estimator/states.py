@@ -53,8 +53,8 @@ def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
     - FSDP, as the HF Trainer runs it through accelerate: the MixedPrecisionPolicy gathers the parameters in the
       half type (accelerate 1.15 FullyShardedDataParallelPlugin.set_mixed_precision: param_dtype), and accelerate
       still wraps the forward in autocast (Accelerator.native_amp leaves out only DeepSpeed and Megatron-LM):
-      half parameters under autocast, as LoRA's half base below (full fine-tuning and freeze; LoRA and QLoRA
-      under FSDP keep the half model's rows, which hold the adapters half as FSDP gathers them);
+      half parameters under autocast, as LoRA's half base below, its adapters half too (lora_terms); QLoRA under
+      FSDP keeps the half model's rows;
     - lora: the base is loaded in the half type, so the residual stream is half; under autocast the
       half inputs of the linears pass as they are (the "halfbase" rows of rules.PRECISIONS). Where the
       embeddings end with a LayerNorm (BERT), autocast runs it in fp32 (torch 2.13 ATen/autocast_mode.h
@@ -64,7 +64,7 @@ def activation_precision(spec: ModelSpec, w: Workload) -> Precision:
       fp32; with autocast the matmuls run in half (as bf16 / fp16 over an fp32 model); without, the 4-bit
       layers cast their output back to the fp32 input's dtype, so everything is fp32. Under DeepSpeed the
       engine casts those fp32 parameters back to half: a half model, pure half."""
-    if w.fsdp != "none" and w.method in ("full", "freeze") and PRECISIONS[w.precision].autocast:
+    if w.fsdp != "none" and w.method != "qlora" and PRECISIONS[w.precision].autocast:
         own = PRECISIONS[w.precision]
         return own if embedding_layernorm(spec) else PRECISIONS[f"{own.half}-halfbase"]
     prec = train_precision(w)
