@@ -71,7 +71,8 @@ def _estimates() -> list[dict]:
     for model in ("gpt2", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-2b", "mistral-7b"):
         for prec, ckpt, tiled in (("bf16", "none", False), ("bf16-pure", "none", True), ("fp32", "full", False),
                                   ("bf16", "selective", True)):
-            attn = "memplan" if model not in ("gemma-2-2b", "gpt2") and prec != "fp32" else "eager"
+            # no tiled attention for Gemma 2 (soft-capping), GPT-2 (attention dropout), Mistral (its sliding window)
+            attn = "memplan" if model not in ("gemma-2-2b", "gpt2", "mistral-7b") and prec != "fp32" else "eager"
             seq = 1024 if model == "gpt2" else 2048  # GPT-2 has 1,024 learned positions
             add(model, "h100-80g", micro_batch=2 * 2048 // seq, seq_len=seq, precision=prec, grad_ckpt=ckpt,
                 attn=attn, kernels=True, tiled_mlp=tiled)

@@ -372,6 +372,10 @@ def test_tiled_attention_refuses_attention_dropout_and_unsupported_families():
         memplan.estimate("gemma2-2b", "a100-80g", attn="memplan")  # logit soft-capping
     with pytest.raises(UserError, match="tiles the dense MLPs"):
         memplan.estimate("mixtral-8x7b", "a100-80g", tiled_mlp=True)
+    # a sliding window is a mask the tiled kernels do not express: kernels/attention.py would run eager attention
+    with pytest.raises(UserError, match="sliding-window or chunked layers"):
+        memplan.estimate("mistral-7b", "a100-80g", attn="memplan")
+    assert all(p.attn != "memplan" for p in memplan.suggest("mistral-7b", "a100-80g", attn="any", top=50).plans)
 
 
 def test_cli_takes_the_kernel_flags():

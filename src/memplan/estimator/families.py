@@ -295,10 +295,14 @@ def embedding_layernorm(spec: ModelSpec) -> bool:
 
 
 def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
-    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py)."""
+    """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py), where
+    every layer attends causally to all keys: a sliding-window or chunked layer's mask is a pattern the tiled
+    kernels do not express, so kernels/attention.py falls back to the eager computation (hf_mask's 4-D mask),
+    which keeps the scores it would save (Mistral-small traced under --attn memplan: 35 % over the estimate)."""
     fam = family(spec.model_type)
     out = tuple(a for a in ("flash", "sdpa", "eager") if a not in fam.attn_unsupported)
-    return out + (("memplan",) if fam.memplan_attention else ())
+    full = all(kind == "full_attention" for kind in spec.attention_kinds)
+    return out + (("memplan",) if fam.memplan_attention and full else ())
 
 
 def tiled_mlp_supported(spec: ModelSpec) -> bool:

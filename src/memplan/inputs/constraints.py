@@ -132,6 +132,15 @@ class Constraint:
         return self.message if isinstance(self.message, str) else self.message(w, spec, gpu)
 
 
+def _no_attention(attn: str, m: ModelSpec) -> str:
+    """Why the model has no such attention: transformers lacks it, or memplan's tiled kernels do not express the
+    model's sliding-window or chunked layers (families.supported_attn)."""
+    if attn == "memplan" and any(kind != "full_attention" for kind in m.attention_kinds):
+        return (f"memplan's tiled attention does not express {m.name}'s sliding-window or chunked layers "
+                "(it would fall back to eager attention)")
+    return f"transformers has no {attn} attention for {m.model_type}"
+
+
 def _c(name: str, needs: str, reads: str, invalid: Rule, message: Rule | str, example: dict, **where: str) -> Constraint:
     return Constraint(name, needs, frozenset(reads.split()), invalid, message, example, **where)  # type: ignore[arg-type]
 
@@ -352,8 +361,7 @@ TABLE: tuple[Constraint, ...] = (
        {"seq_len": 1000}, model="vit-base"),
     _c("attention-of-model", "model", "attn",
        lambda w, m, g: w.attn not in supported_attn(m),
-       lambda w, m, g: f"transformers has no {w.attn} attention for {m.model_type} "
-                       f"(choose from {', '.join(supported_attn(m))})",
+       lambda w, m, g: f"{_no_attention(w.attn, m)} (choose from {', '.join(supported_attn(m))})",
        {"attn": "sdpa"}, model="gemma-2-2b"),
     _c("memplan-attention-dropout", "model", "attn task",
        lambda w, m, g: w.attn == "memplan" and w.task == "train" and m.attention_dropout > 0,
