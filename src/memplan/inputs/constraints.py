@@ -136,7 +136,7 @@ def _no_attention(attn: str, m: ModelSpec) -> str:
     """Why the model has no such attention: transformers lacks it, or memplan's tiled kernels do not express the
     model's sliding-window or chunked layers (families.supported_attn)."""
     if attn == "memplan" and any(kind != "full_attention" for kind in m.attention_kinds):
-        return (f"memplan's tiled attention does not express {m.name}'s sliding-window or chunked layers "
+        return (f"memplan's tiled attention does not express {m.model_type}'s sliding-window or chunked layers "
                 "(it would fall back to eager attention)")
     return f"transformers has no {attn} attention for {m.model_type}"
 
