@@ -139,6 +139,10 @@ class OptimRule:
     momentum_arg: bool = False  # one extra state when optim args set momentum > 0 (SGD, RMSprop)
     source: str = ""
 
+    def state_count(self, momentum: bool) -> int:
+        """State tensors per parameter: `states`, and the momentum buffer when optim args ask for one."""
+        return self.states + (1 if self.momentum_arg and momentum else 0)
+
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer8bit(min_8bit_size=4096)
 BNB_BLOCK = 256  # bitsandbytes blockwise 8-bit optimizer states: one fp32 absmax per 256 values
@@ -179,7 +183,7 @@ def optimizer_state_bytes(rule: OptimRule, shape: tuple[int, ...], param_bytes: 
     numel = 1
     for d in shape:
         numel *= d
-    states = rule.states + (1 if rule.momentum_arg and momentum else 0)
+    states = rule.state_count(momentum)
     if rule.factored:
         if len(shape) >= 2:
             rows = numel // shape[-1]

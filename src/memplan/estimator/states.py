@@ -275,7 +275,7 @@ def rounded(groups, bytes_of) -> int:
 def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:
     """Weights, gradients and optimizer states as (bytes, count) tensors, for segment packing."""
     prec, rule = train_precision(k), OPTIMIZERS[k.optim]
-    n_states = max(rule.states + (1 if rule.momentum_arg and k.momentum else 0), 1)
+    n_states = max(rule.state_count(k.momentum), 1)
     out: list[tuple[float, int]] = []
     for g in by_shape(groups):
         out += stored_tensors(g, prec.param)

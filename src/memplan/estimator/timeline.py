@@ -20,7 +20,7 @@ from memplan.estimator.finetune import Tuning, element_bytes, stored_tensors, ti
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
-from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
 STEPS = 2
@@ -109,12 +109,14 @@ class _Step:
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
 
-    def casts(self) -> list[int]:
-        """One layer's autocast half copies of its fp32 linear weights."""
+    def casts(self, groups: list[tuple[ParamGroup, int]] | None = None) -> list[int]:
+        """Autocast's half copies of fp32 weights: one layer's linears, or `groups` (group, copies)."""
+        if groups is None:
+            groups = [(g, n) for _, g, n in self.per_layer if g.category in LINEAR_CATEGORIES]
         if not self.prec.autocast:
             return []
-        return [self.sim.alloc(g.numel * HALF) for _, g, n in self.per_layer
-                if g.category in LINEAR_CATEGORIES and element_bytes(g, self.prec.param) == FP32 for _ in range(n)]
+        return [self.sim.alloc(g.numel * HALF) for g, n in groups if element_bytes(g, self.prec.param) == FP32
+                for _ in range(n)]
 
     def grad(self, i: int, n: int) -> None:
         """`n` more of group i's gradients, up to its count (AccumulateGrad makes each on first use)."""
@@ -142,13 +144,14 @@ class _Step:
         held, cached = [], []
         for saved in self.saved:
             casts = self.casts()
-            if full:  # autocast caches the no-grad forward's casts too, until its region ends with the loss
+            if full:  # autocast caches the no-grad forward's casts too, until its region ends with the loss; the
+                # no-grad forward makes the layer's tensors and drops them, keeping its input
                 cached += casts
                 casts = []
-            if full:  # the no-grad forward makes the layer's tensors and drops them, keeping its input
                 self.sim.free(self.tensors(saved))
             held.append(casts + self.tensors(self.am.layer_input if full else saved))
-        head = self.head_casts() + self.tensors(self.am.head_saved)
+        head = self.casts([(g, g.count) for g in self.groups if g.category == "head"])
+        head += self.tensors(self.am.head_saved)
         self.sim.free(self.tensors(self.am.loss_forward))
         self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
         loss = self.tensors(self.am.loss_backward)
@@ -177,12 +180,6 @@ class _Step:
                 self.grad(i, n)
         self.sim.free(work + again + held)
 
-    def head_casts(self) -> list[int]:
-        if not self.prec.autocast:
-            return []
-        return [self.sim.alloc(g.numel * HALF) for g in self.groups if g.category == "head"
-                and element_bytes(g, self.prec.param) == FP32 for _ in range(g.count)]
-
     def optimizer_step(self, first: bool) -> None:
         trained = [g for g in self.groups if g.trainable]
         rule = self.rule
@@ -191,7 +188,7 @@ class _Step:
                 if paged(rule, g):  # CUDA managed memory, outside the caching allocator
                     continue
                 n = optimizer_state_bytes(rule, g.shape, element_bytes(g, self.prec.param), self.k.momentum)
-                per = max(rule.states, 1)
+                per = max(rule.state_count(self.k.momentum), 1)  # one tensor per state, as states.py packs them
                 for _ in range(g.count * per if n else 0):
                     self.sim.alloc(n / per)
         if rule.per_tensor_temp:  # a Python loop: one tensor's temporaries at a time
