@@ -79,3 +79,20 @@ def test_torch_accepts_the_setting():
     setter("expandable_segments:False")
     with pytest.raises((RuntimeError, ValueError)):  # the parser checks the value
         setter("expandable_segments:Yes")
+
+
+def test_serving_search_flags_exactly_the_plans_that_need_expandable_segments():
+    """Serving's search (search/evaluate.py _infer, a loop over micro batches) marks a plan expandable when, and
+    only when, its default-mode device used does not fit: with the usable memory between the two modes at
+    micro batch 4, the micro batch 4 plan is marked and the smaller ones are not."""
+    kw = dict(task="infer", seq_len=4096)
+    e = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=4, **kw)
+    default = e.by_allocator["default"]["device_used_bytes"]
+    expandable = e.by_allocator["expandable_segments"]["device_used_bytes"]
+    headroom = round(1 - (default + expandable) / 2 / e.capacity_bytes, 5)
+    s = memplan.suggest("llama-3.2-3b", "t4-16g", global_batch=8, headroom=headroom, top=50, **kw)
+    usable = e.capacity_bytes * (1 - headroom)
+    assert any(p.expandable_segments for p in s.plans)
+    for p in s.plans:
+        plain = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=p.micro_batch, **kw)
+        assert p.expandable_segments == (plain.device_used_bytes > usable), p.micro_batch

@@ -64,12 +64,12 @@ def _infer(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
         for mb in mbs:
             w = base.model_copy(update={"micro_batch": mb, "grad_accum": per_rank // mb})
             p = peak(spec, gpu, w)
-            used = p.device_used
-            if used > usable and req.expandable_segments is None:  # fits only with expandable segments
+            used, cand = p.device_used, base
+            if used > usable and req.expandable_segments is None:  # may fit only with expandable segments
                 used = p.by_allocator["expandable_segments"]["device_used_bytes"]
-                base = base.model_copy(update={"expandable_segments": used <= usable})
+                cand = base.model_copy(update={"expandable_segments": True})
             if used <= usable:
-                found.append(Candidate(base, mb, per_rank // mb, used, usable - used, p.rates))
+                found.append(Candidate(cand, mb, per_rank // mb, used, usable - used, p.rates))
     return Found(found, len(ws) * len(mbs))
 
 

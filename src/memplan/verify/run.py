@@ -359,27 +359,26 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
         keys = [k for k in est.breakdown if k not in ("workspace", "allocator_overhead", "cuda_context")]
         breakdown = {k: {"predicted": est.breakdown.get(k, 0), "measured": measured.get(k, 0)}
                      for k in dict.fromkeys(keys + list(measured))}
-        reserved = s.peak_reserved + ws  # the workspace is its own segment
+        # the workspace is its own segment; the workload's allocator mode gives the meters, the other one a row
+        simulated = {"default": s.peak_reserved, "expandable_segments": s.peak_reserved_expandable}
+        own, other = ("expandable_segments", "default") if w.expandable_segments else ("default", "expandable_segments")
+        reserved = simulated[own] + ws
         meters = [check("peak_allocated", predicted_tensors, s.peak_allocated, "traced tensors"),
                   check("peak_reserved", est.peak_reserved_bytes, reserved,
+                        "modelled: allocator simulation (expandable segments) of the traced allocations"
+                        if w.expandable_segments else
                         "modelled: allocator simulation of the traced allocations + cuBLAS workspace"),
                   check("device_used", est.device_used_bytes, reserved + cuda_context,
                         "modelled: simulated reserved + the profile's CUDA context")]
-        if est.by_allocator:  # the other allocator mode, simulated on the same allocations
-            mode = "default" if w.expandable_segments else "expandable_segments"
-            other = s.peak_reserved if w.expandable_segments else s.peak_reserved_expandable
-            meters.append(check(f"peak_reserved ({mode})", est.by_allocator[mode]["peak_reserved_bytes"], other + ws,
-                                f"modelled: allocator simulation under {mode} + cuBLAS workspace"))
-        for mode, sim in (("default", s.peak_reserved), ("expandable_segments", s.peak_reserved_expandable)):
+        if est.by_allocator:
+            meters.append(check(f"peak_reserved ({other})", est.by_allocator[other]["peak_reserved_bytes"],
+                                simulated[other] + ws,
+                                f"modelled: allocator simulation under {other} + cuBLAS workspace"))
+        for mode, sim in simulated.items():
             replayed = est.by_allocator.get(mode, {}).get("simulated_reserved_bytes")
             if replayed is not None:  # the estimate's own allocations replayed in order (estimator/timeline.py)
                 meters.append(check(f"simulated_reserved ({mode})", replayed, sim + ws,
                                     "the estimate's allocations replayed vs the traced ones, same simulation"))
-        if w.expandable_segments:
-            meters[1] = check("peak_reserved", est.peak_reserved_bytes, s.peak_reserved_expandable + ws,
-                              "modelled: allocator simulation (expandable segments) of the traced allocations")
-            meters[2] = check("device_used", est.device_used_bytes, s.peak_reserved_expandable + ws + cuda_context,
-                              "modelled: simulated reserved + the profile's CUDA context")
         notes.append("peak_allocated compares tensor bytes: the estimate's cuBLAS workspace "
                      f"({ws / 2**20:.0f} MiB) is not a tensor and is left out of both sides")
         peak_phase, peak_op, phases, kernels = s.peak_phase, s.peak_op, s.phases, run["kernels"]
