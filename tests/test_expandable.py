@@ -45,7 +45,7 @@ def test_suggest_turns_it_on_only_where_it_makes_a_plan_fit(tmp_path):
 
     spec, gpu = memplan.resolve_model("llama-3.2-1b"), memplan.load_gpu(GPU)
     t = evaluate(spec, gpu, [memplan.estimate(spec, gpu, micro_batch=1, **KW).workload], [1], 1)
-    default, expandable = float(t.modes.used_default[0, 0]), float(t.modes.used_expandable[0, 0])
+    default, expandable = float(t.modes.device_used[0, 0]), float(t.modes.device_used_expandable[0, 0])
     assert expandable < default
     headroom = round(1 - (default + expandable) / 2 / gpu.memory_bytes, 4)
     s = memplan.suggest("llama-3.2-1b", GPU, global_batch=1, headroom=headroom, zero="0", **KW)

@@ -90,7 +90,7 @@ class Peak(NamedTuple):
     saved_activations: int  # bytes written in forward and read in backward (the cost model's traffic)
     state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
     rates: Throughput | None = None  # the speed model's prediction for this configuration
-    by_allocator: dict[str, dict[str, int]] = {}  # meters.mode_report
+    by_allocator: dict[str, dict[str, int]] = {}  # meters.Meters.report
 
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:

@@ -294,15 +294,21 @@ def embedding_layernorm(spec: ModelSpec) -> bool:
     return spec.arch in ("encoder", "vision") and family(spec.model_type).embedding_norm
 
 
+def full_attention_only(spec: ModelSpec) -> bool:
+    """Every layer attends to every earlier key: no sliding-window or chunked layer (config.layer_types)."""
+    return all(kind == "full_attention" for kind in spec.attention_kinds)
+
+
 def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
     """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py), where
     every layer attends causally to all keys: a sliding-window or chunked layer's mask is a pattern the tiled
     kernels do not express, so kernels/attention.py falls back to the eager computation (hf_mask's 4-D mask),
-    which keeps the scores it would save (Mistral-small traced under --attn memplan: 35 % over the estimate)."""
+    which keeps the scores it would save: the mistral-small accuracy config traced 35 % over the tiled estimate
+    (`memplan verify --model benchmarks/accuracy/configs/mistral-small.json --gpu a100-80g --device fake -b 2
+    --seq-len 1024 --precision bf16 --attn memplan --kernels --tiled-mlp`, before the refusal)."""
     fam = family(spec.model_type)
     out = tuple(a for a in ("flash", "sdpa", "eager") if a not in fam.attn_unsupported)
-    full = all(kind == "full_attention" for kind in spec.attention_kinds)
-    return out + (("memplan",) if fam.memplan_attention and full else ())
+    return out + (("memplan",) if fam.memplan_attention and full_attention_only(spec) else ())
 
 
 def tiled_mlp_supported(spec: ModelSpec) -> bool:

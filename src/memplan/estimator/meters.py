@@ -43,9 +43,12 @@ class Meters(NamedTuple):
         return (self.reserved_expandable, self.device_used_expandable) if expandable else (
             self.reserved, self.device_used)
 
-    def report(self) -> dict[str, dict[str, int]]:
-        return mode_report(int(self.reserved), int(self.device_used), int(self.reserved_expandable),
-                           int(self.device_used_expandable))
+    def report(self, at: tuple = ()) -> dict[str, dict[str, int]]:
+        """The report's meters by allocator mode (MemoryBreakdown.by_allocator), of cell `at` of a table's arrays."""
+        reserved, used, reserved_x, used_x = (int(np.asarray(v)[at]) for v in (
+            self.reserved, self.device_used, self.reserved_expandable, self.device_used_expandable))
+        return {"default": {"peak_reserved_bytes": reserved, "device_used_bytes": used},
+                "expandable_segments": {"peak_reserved_bytes": reserved_x, "device_used_bytes": used_x}}
 
 
 def gpu_workspace(gpu: GPUProfile) -> int:
@@ -66,8 +69,3 @@ def meters(gpu: GPUProfile, tensors, persistent_segments, activation_segments, c
     ctx = gpu.cuda_context_bytes
     return Meters(allocated, reserved, reserved + ctx, expandable, expandable + ctx)
 
-
-def mode_report(reserved: int, used: int, reserved_expandable: int, used_expandable: int) -> dict[str, dict[str, int]]:
-    """The report's meters by allocator mode (MemoryBreakdown.by_allocator)."""
-    return {"default": {"peak_reserved_bytes": reserved, "device_used_bytes": used},
-            "expandable_segments": {"peak_reserved_bytes": reserved_expandable, "device_used_bytes": used_expandable}}

@@ -25,7 +25,7 @@ from memplan.estimator.allocation import round_block, segments
 from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
 from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
-from memplan.estimator.meters import gpu_workspace, meters, mode_report
+from memplan.estimator.meters import Meters, gpu_workspace, meters
 from memplan.estimator.timeline import ReplayKey, replay, replayable
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum
@@ -210,20 +210,7 @@ class Table(NamedTuple):
     stages: tuple[int, ...]  # the stages evaluated (the first, and the last under PP)
     cells: tuple[StageCells, ...]
     pick_last: np.ndarray  # (B, K) bool: the last stage is the worst
-    modes: "Modes"  # reserved and device used in both allocator modes
-
-
-class Modes(NamedTuple):
-    """(B, K) reserved and device used under the default allocator and under expandable segments."""
-
-    reserved_default: np.ndarray
-    used_default: np.ndarray
-    reserved_expandable: np.ndarray
-    used_expandable: np.ndarray
-
-    def cell(self, b: int, k: int) -> dict[str, dict[str, int]]:
-        return mode_report(int(self.reserved_default[b, k]), int(self.used_default[b, k]),
-                           int(self.reserved_expandable[b, k]), int(self.used_expandable[b, k]))
+    modes: Meters  # (B, K) reserved and device used in both allocator modes (device used with managed memory)
 
 
 def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[int], per_rank: int) -> Table:
@@ -249,11 +236,12 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
     churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0])
     mt = meters(gpu, np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
     managed = chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
-    modes = Modes(mt.reserved, mt.device_used + managed, mt.reserved_expandable, mt.device_used_expandable + managed)
+    modes = mt._replace(device_used=mt.device_used + managed,
+                        device_used_expandable=mt.device_used_expandable + managed)
     expandable = _col([w.expandable_segments for w in bases]).astype(bool)
     allocated = mt.allocated
     reserved = np.where(expandable, mt.reserved_expandable, mt.reserved)
-    used = np.where(expandable, modes.used_expandable, modes.used_default)
+    used = np.where(expandable, modes.device_used_expandable, modes.device_used)
     saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states + c.managed)
     params = chosen(lambda c: c.n_params)
     terms = cost.step_time(spec, gpu, bases, mb, ms, state, params)
@@ -312,7 +300,7 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[b, k])
     parts = {name: int(v[b, k]) for name, v in breakdown(c, t.moment).items()}
     allocated = int(t.allocated[b, k])
-    by_mode = t.modes.cell(b, k)
+    by_mode = t.modes.report((b, k))
     if simulate and replayable(w):
         by_mode = _with_replay(by_mode, spec, gpu, w, allocated)
     modes = by_mode["expandable_segments" if w.expandable_segments else "default"]

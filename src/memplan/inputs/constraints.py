@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import AfterValidator
 
 from memplan.errors import UserError
-from memplan.estimator.families import fused_loss_supported, model_types, supported_attn, tiled_mlp_supported
+from memplan.estimator.families import (
+    full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
+)
 from memplan.estimator.finetune import (
     ALL_LINEAR, default_targets, has_module, linear_names, load_dtype, matches, stack_blocks,
 )
@@ -135,7 +137,7 @@ class Constraint:
 def _no_attention(attn: str, m: ModelSpec) -> str:
     """Why the model has no such attention: transformers lacks it, or memplan's tiled kernels do not express the
     model's sliding-window or chunked layers (families.supported_attn)."""
-    if attn == "memplan" and any(kind != "full_attention" for kind in m.attention_kinds):
+    if attn == "memplan" and not full_attention_only(m):
         return (f"memplan's tiled attention does not express {m.model_type}'s sliding-window or chunked layers "
                 "(it would fall back to eager attention)")
     return f"transformers has no {attn} attention for {m.model_type}"

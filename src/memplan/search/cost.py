@@ -43,8 +43,9 @@ class Generation(NamedTuple):
 # the attention core, the element-wise kernels. Taking it over a whole micro batch instead (the larger of the GPU's
 # total and the host's total) assumes the host's lead during the long GEMMs carries over to the short kernels
 # around them; in an eager step with its host syncs (GradScaler's inf check, the Trainer's loss reads) it does so
-# only in part, and the published runs side with the per-class floor: fitted either way on them, its loss is 0.0335
-# against 0.0423 (python benchmarks/throughput/compare.py --fit; docs/cost-model.md).
+# only in part, and the published runs side with the per-class floor: fitted either way on them by
+# `python benchmarks/throughput/compare.py --fit`, its loss is 0.0335 against 0.0423 (the old floor: ece8d96's
+# search/cost.py and operators.py under de50d55's compare.py; docs/cost-model.md).
 # Fitted by `python benchmarks/throughput/compare.py --fit` on benchmarks/throughput/published_runs.json
 # (docs/cost-model.md); keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
 GENERATIONS: dict[int, Generation] = {
@@ -57,6 +58,11 @@ GENERATIONS: dict[int, Generation] = {
 def generation(gpu: GPUProfile) -> Generation:
     major = gpu.compute_capability[0]
     return GENERATIONS[max((k for k in GENERATIONS if k <= major), default=min(GENERATIONS))]
+
+
+def achievable_bandwidth(gpu: GPUProfile) -> float:
+    """Bytes/s a memory-bound kernel reaches: the datasheet bandwidth times the generation's efficiency."""
+    return gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth
 
 
 # Bytes per parameter one optimizer step moves (each read or write of a parameter-sized fp32 tensor is 4 bytes;
@@ -220,7 +226,7 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
     gen, prec = generation(gpu), PRECISIONS[precision]
     peak = peak_tflops(gpu, precision) * 1e12
     flops_s = peak * (gen.matmul if prec.half is not None else gen.matmul_fp32)
-    bytes_s = gpu.memory_bandwidth_gbs * 1e9 * gen.bandwidth
+    bytes_s = achievable_bandwidth(gpu)
     fwd = (1 / 3) if forward_only else 1.0  # the forward is 1 of a GEMM's 3 passes
     share = ops.FORWARD_SHARE if forward_only else 1.0
     gemms = sum(_gemm_seconds(g, tokens, flops_s, bytes_s, prec.act, gen.launch_s) for g in o.layer_gemms) * fwd
@@ -264,7 +270,7 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     half = _col([w.precision != "fp32" for w in bases]).astype(bool)
     act_bytes = np.where(half, HALF, FP32)
     grad_b = _col([PRECISIONS[w.precision].grad for w in bases])
-    bw = gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth
+    bw = achievable_bandwidth(gpu)
     accumulate = (m - 1) * ACCUMULATE_MOVES * params * grad_b / bw
     terms = (micro * m + accumulate, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
              _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
@@ -425,7 +431,7 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
     seqs, new = w.micro_batch * w.beams, w.max_new_tokens
     compute = w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
     o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
-    bw = gpu.memory_bandwidth_gbs * 1e9 * generation(gpu).bandwidth
+    bw = achievable_bandwidth(gpu)
     head = np.array([float(seqs)]) if new else None
     t = float(micro_seconds(o, gpu, compute, np.array([float(seqs * seq)]), seq, forward_only=True,
                             head_tokens=head)[0]) + working_bytes / bw

@@ -84,7 +84,7 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     fits = valid & (t.device_used <= usable)
     # where the user left the allocator to memplan, a cell that fits only with expandable segments is a plan
     # that runs with them (PYTORCH_CUDA_ALLOC_CONF in launch.sh)
-    expand = valid & ~fits & (t.modes.used_expandable <= usable)
+    expand = valid & ~fits & (t.modes.device_used_expandable <= usable)
     if req.expandable_segments is not None:  # the user decided: True runs every base with them, False none
         expand[:] = False
     fits = fits | expand
@@ -100,7 +100,7 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
     found = []
     rows, cols = np.nonzero(fits)
-    used_exp = t.modes.used_expandable.tolist()
+    used_exp = t.modes.device_used_expandable.tolist()
     for b, k in zip(rows.tolist(), cols.tolist()):
         w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
         if expand[b, k]:
