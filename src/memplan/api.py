@@ -83,6 +83,7 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     0.05-0.3 s more; docs/estimator.md).
     """
     _check_keywords(work, Workload.model_fields, "estimate")
+    _check_type("simulate", simulate, bool)
     if cpu_mem is not None and (not isinstance(cpu_mem, int) or isinstance(cpu_mem, bool)):
         raise UserError(f"cpu_mem: host RAM per node in bytes, a positive integer; got {cpu_mem!r}")
     problem = None if cpu_mem is None else bound_problem("cpu_mem", cpu_mem)  # suggest's bound (SearchRequest)
@@ -95,8 +96,6 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     chosen_work = {k: v for k, v in defaults.choose(spec, prof, given).values.items() if k != "cpu_mem"}
     w = workload(**(work | chosen_work))
     chosen = defaults.choose(spec, prof, given, gpus=w.gpus)  # the host RAM of a node of w.gpus GPUs
-    if not isinstance(simulate, bool):
-        raise UserError(f"simulate: True or False; got {simulate!r}")
     est = with_host_limit(estimator.estimate(spec, prof, w, simulate), chosen.values.get("cpu_mem", cpu_mem))
     said = chosen.said + finetune.assumed(spec, w, set(work), half_model(w))
     return est.model_copy(update={"defaults": said, "notes": est.notes + defaults.precision_notes(w)})
