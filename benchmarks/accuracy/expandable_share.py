@@ -12,8 +12,7 @@ import argparse
 import json
 import statistics
 
-from memplan.estimator.meters import gpu_workspace
-from memplan.estimator.rules import ALLOC_LARGE_BUFFER, ALLOC_SMALL_BUFFER
+from memplan.estimator.meters import expandable_reserved, gpu_workspace
 from memplan.inputs.profiles import load_gpu
 
 
@@ -35,8 +34,7 @@ def main() -> None:
     for share in (0.3, 0.5, 0.6, 0.7, 0.8, 1.0):
         errs = []
         for allocated, reserved, simulated in cases:
-            mapped = allocated + share * (reserved - allocated)
-            pred = -(-int(mapped) // ALLOC_LARGE_BUFFER) * ALLOC_LARGE_BUFFER + ALLOC_SMALL_BUFFER
+            pred = expandable_reserved(allocated, reserved, share)
             errs.append(100 * (pred / simulated - 1))
         print(f"share {share:.1f}: median |error| {statistics.median(map(abs, errs)):5.1f}, "
               f"min {min(errs):+6.1f}, max {max(errs):+6.1f}, below the simulation in {sum(e < 0 for e in errs)}")

@@ -57,15 +57,19 @@ def gpu_workspace(gpu: GPUProfile) -> int:
 
 def meters(gpu: GPUProfile, tensors, persistent_segments, activation_segments, churn) -> Meters:
     """The meters in both allocator modes. tensors: the bytes allocated at the peak, workspace aside;
-    churn: the activation and transient bytes alive then (their blocks fragment). Expandable: the live bytes
-    and EXPANDABLE_SHARE of the default mode's excess, mapped in the large pool's 20 MiB pages, plus the small
-    pool's 2 MiB page."""
+    churn: the activation and transient bytes alive then (their blocks fragment). Expandable segments:
+    expandable_reserved."""
     ws = gpu_workspace(gpu)
     allocated = tensors + ws
     reserved = persistent_segments + activation_segments + as_int(ACTIVATION_FRAGMENTATION * churn) + ws
     reserved = as_int(np.maximum(reserved, allocated))
-    mapped = as_int(allocated + EXPANDABLE_SHARE * (reserved - allocated))
-    expandable = -(-mapped // ALLOC_LARGE_BUFFER) * ALLOC_LARGE_BUFFER + ALLOC_SMALL_BUFFER
+    expandable = expandable_reserved(allocated, reserved)
     ctx = gpu.cuda_context_bytes
     return Meters(allocated, reserved, reserved + ctx, expandable, expandable + ctx)
 
+
+def expandable_reserved(allocated, reserved, share: float = EXPANDABLE_SHARE):
+    """Reserved under expandable segments: the live bytes and `share` of the default mode's excess over them,
+    mapped in the large pool's 20 MiB pages, plus the small pool's 2 MiB page."""
+    mapped = as_int(allocated + share * (reserved - allocated))
+    return -(-mapped // ALLOC_LARGE_BUFFER) * ALLOC_LARGE_BUFFER + ALLOC_SMALL_BUFFER
