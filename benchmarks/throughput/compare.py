@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -42,7 +43,9 @@ FRAMEWORKS = {
 }
 # the optimizer memplan prices for each published one (first matching substring): apex's FusedLAMB / FusedAdam
 # and Megatron's Adam are one multi-tensor kernel (fused AdamW's traffic; LAMB's trust-ratio norms are left out);
-# Composer's DecoupledAdamW, torchtitan's AdamW and BertAdam run foreach-like kernels per op
+# Composer's DecoupledAdamW, torchtitan's AdamW and BertAdam run foreach-like kernels per op (BertAdam, a Python
+# loop over the tensors, is no foreach step: foreach AdamW's traffic is memplan's nearest). A key matches a word
+# not negated by "un" ("unfused" is not "fused")
 OPTIMIZERS = (("8bit", "adamw_bnb_8bit"), ("adafactor", "adafactor"), ("lamb", "adamw_torch_fused"),
               ("fused", "adamw_torch_fused"), ("megatron", "adamw_torch_fused"), ("deepspeed", "adamw_torch_fused"),
               ("adam", "adamw_torch"))
@@ -61,6 +64,8 @@ def _gpu(name: str) -> str:
 
 
 def _excluded(run) -> str | None:
+    if run.get("data_error"):
+        return f"the source's value is in error: {run['data_error']}"
     text = " ".join(str(run.get(k) or "") for k in ("other", "attention", "framework")).lower()
     for word, why in EXCLUDED:
         if word in text:
@@ -120,7 +125,8 @@ def workload(run) -> dict:
     dp = gpus // (tp * pp)
     mb = run["micro_batch"]
     accum = (run["global_batch"] // (mb * dp)) if run.get("global_batch") else (run.get("grad_accum") or 1)
-    opt = next(o for k, o in OPTIMIZERS if k in f"{run.get('optimizer')} {run['framework']}".lower())
+    named = f"{run.get('optimizer')} {run['framework']}".lower()
+    opt = next(o for k, o in OPTIMIZERS if re.search(f"(?<!un){k}", named))
     kw = dict(precision=_precision(run, fw), seq_len=run["seq_len"], micro_batch=mb, grad_accum=max(accum, 1),
               gpus=per_node, nodes=max(gpus // per_node, 1), tp=tp, pp=pp, vpp=run.get("vpp") or 1,
               sp=bool(run.get("sequence_parallel")), attn=_attn(run, gpu), grad_ckpt=_recompute(run, fw), optim=opt)

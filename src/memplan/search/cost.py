@@ -49,7 +49,7 @@ class Generation(NamedTuple):
 # Fitted by `python benchmarks/throughput/compare.py --fit` on benchmarks/throughput/published_runs.json
 # (docs/cost-model.md); keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
 GENERATIONS: dict[int, Generation] = {
-    7: Generation(matmul=0.677, matmul_fp32=0.673, attention=0.3, bandwidth=0.931, launch_s=2.35e-05),
+    7: Generation(matmul=0.677, matmul_fp32=0.707, attention=0.3, bandwidth=0.931, launch_s=2.59e-05),
     8: Generation(matmul=0.76, matmul_fp32=0.85, attention=0.231, bandwidth=0.915, launch_s=6e-06),
     9: Generation(matmul=0.58, matmul_fp32=0.85, attention=0.16, bandwidth=0.655, launch_s=5e-06),
 }
