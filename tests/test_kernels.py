@@ -6,6 +6,9 @@ In bf16 both are compared with an fp64 computation from the same bf16 inputs; th
 may be at most twice the reference's own error, plus one bf16 ulp (2^-8 relative) of the largest value.
 """
 
+import json
+import pathlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -17,6 +20,8 @@ from memplan.kernels.cross_entropy import reference
 
 from lce_data import bias_for, data, run, run_bias, tokens_and_reduction  # tests/lce_data.py
 from tolerance import assert_within_own_error  # tests/tolerance.py
+
+QWEN2_SMALL = pathlib.Path(__file__).parent.parent / "benchmarks" / "accuracy" / "configs" / "qwen2-small.json"
 
 
 
@@ -321,17 +326,23 @@ def test_suggest_offers_the_fused_loss_where_it_fits_more():
     assert asked.plans[0].kernels and any("memplan.kernels.apply" in n for n in asked.notes)
 
 
-@pytest.mark.parametrize("model, mb, seq, kw", [
+@pytest.mark.parametrize("name, mb, seq, kw", [
     ("gpt2", 4, 1024, dict(precision="bf16")),  # gpt2 has 1,024 learned positions
     ("gpt2", 4, 1024, dict(precision="fp32")),
     ("bert-base", 16, 512, dict(precision="bf16")),  # 11 chunks of 768 tokens per layer
     ("bert-base", 16, 512, dict(precision="bf16-pure", grad_ckpt="full")),
 ])
-def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
+def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(name, mb, seq, kw, tmp_path):
     """`--tiled-mlp`: each layer keeps the MLP's input, one chunk is recomputed in backward; against the
-    fake-tensor trace of the patched model, and below the same plan without it."""
+    fake-tensor trace of the patched model, and below the same plan without it. The catalog model at 4 of its 12
+    layers (each layer is traced alike; the full depth takes three times as long)."""
+    from memplan.inputs.catalog import get_entry
     from memplan.verify.run import run
 
+    layers = {"gpt2": "n_layer", "bert-base": "num_hidden_layers"}[name]
+    model = tmp_path / f"{name}.json"
+    model.write_text(json.dumps(dict(get_entry(name).config) | {layers: 4}))
+    model = str(model)
     r = run(model=model, gpu="a100-80g", device="fake", steps=2, micro_batch=mb, seq_len=seq, attn="sdpa",
             tiled_mlp=True, **kw)
     allocated = r.meters[0]
@@ -342,10 +353,11 @@ def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(model, mb, seq, kw):
 
 def test_estimate_with_all_of_memplans_kernels_agrees_with_the_trace():
     """--attn memplan --kernels --tiled-mlp on a Qwen2 (GQA): the tiled attention keeps what SDPA keeps;
-    the kernels see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once."""
+    the kernels see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once. Qwen2.5-0.5B's
+    widths and vocabulary at 3 of its 24 layers (the full depth takes ~45 s to trace)."""
     from memplan.verify.run import run
 
-    r = run(model="qwen2.5-0.5b", gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
+    r = run(model=str(QWEN2_SMALL), gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
             precision="bf16", kernels=True, tiled_mlp=True)
     assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
 
