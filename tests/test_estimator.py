@@ -66,6 +66,17 @@ def test_inference_kv_cache_and_formats():
     assert amp.breakdown["weights"] + amp.breakdown["autocast_cache"] == pytest.approx(3 * w16, rel=0.02)  # 6 B/param
 
 
+def test_quantised_serving_keeps_fused_experts_half():
+    """transformers converts nn.Linear / Conv1D layers only (replace_with_bnb_linear): Mixtral's fused experts
+    and its router stay bf16 under load_in_4bit, so int4 saves only the attention projections' bytes."""
+    spec = memplan.resolve_model("mixtral-8x7b")
+    half = memplan.estimate(spec, "h200-141g", task="infer", precision="bf16-pure").breakdown["weights"]
+    w4 = memplan.estimate(spec, "h200-141g", task="infer", precision="int4").breakdown["weights"]
+    attention = sum(g.total for g in spec.params if g.category == "attention" and g.weight_of == "Linear")
+    assert w4 == pytest.approx(half - attention * (2 - (0.5 + 4 / 64)), rel=0.001)
+    assert w4 > 0.95 * half
+
+
 def test_hardware_refusals():
     with pytest.raises(UserError, match="bf16"):
         memplan.estimate("gpt2", "v100-16g", precision="bf16")

@@ -7,6 +7,7 @@ from memplan.estimator.activations import Tensors, inference_working_set, rotary
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
+from memplan.estimator.finetune import quantised
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
 from memplan.estimator.states import autocast_copies, by_shape, rounded
@@ -74,10 +75,12 @@ def decode_kv_traffic(spec: ModelSpec, sequences: int, prompt: int, new: int, kv
     return 3 * per_token * sum(_sum_min(prompt + 1, prompt + steps, w) for w in layer_windows(spec))
 
 
-def weight_bytes(fmt: WeightFormat, g: ParamGroup) -> float:
-    """bitsandbytes quantises the linear layers' matrices; embeddings, norms and the head stay half."""
-    quantisable = g.category in ("attention", "mlp", "experts", "router") and len(g.shape) >= 2
-    return fmt.linear if quantisable else fmt.other
+def weight_bytes(fmt: WeightFormat, spec: ModelSpec, g: ParamGroup) -> float:
+    """bitsandbytes quantises what transformers converts (finetune.quantised: nn.Linear and Conv1D layers outside
+    the modules it keeps, the head among them); embeddings, norms, fused MoE experts and routers that are
+    parameters of their own module (transformers 5.24 replace_with_bnb_linear converts Linear and Conv1D modules
+    only) stay half."""
+    return fmt.linear if quantised(spec, g) else fmt.other
 
 
 def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
@@ -102,7 +105,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
     kv_b = r if rotary_in_stream_dtype(spec) else p
     notes: list[str] = []
-    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, g)) + round_block(spec.buffer_bytes)
+    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, spec, g)) + round_block(spec.buffer_bytes)
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
@@ -142,7 +145,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | (
         {"decode": sums["decode"]} if generate else {})
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
-    persistent = segments_of([(g.numel * weight_bytes(fmt, g), g.count) for g in by_shape(spec.params)])
+    persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])
     mt = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     allocated, (reserved, used) = mt.allocated, mt.mode(w.expandable_segments)

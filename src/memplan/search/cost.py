@@ -13,6 +13,7 @@ FLOPs, and hardware FLOPs but for Llama 4, whose experts run on every token: idl
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -91,6 +92,35 @@ CLIP_MOVES = 3
 UNSCALE_MOVES = 2
 # AccumulateGrad adds each later micro batch's weight gradients into .grad: read 2, write 1
 ACCUMULATE_MOVES = 3
+
+class QuantKernels(NamedTuple):
+    """How bitsandbytes 0.50.2 runs one quantised linear without autograd (serving): bytes per weight element and
+    per element of the input (M x K) and output (M x N) rows."""
+
+    weight_bytes: float  # what the fused kernel reads per weight element
+    fused_rows: float  # rows (M) up to which the fused kernel runs; above, a half copy and F.linear
+    dequant_bytes: float  # per weight element above fused_rows: read the packed weight, write the half copy
+    in_bytes: float  # per input element
+    out_bytes: float  # per output element
+    int8_mma: bool  # the GEMM runs on the int8 tensor cores (the profile's int8 peak)
+    kernels: int  # launches per linear
+
+
+# Serving weight formats' linears (`--task infer --precision int4 / int8`):
+# - NF4 (autograd/_functions.py matmul_4bit -> backends/cuda/ops.py gemm_4bit): under no_grad the fused kernel
+#   reads the packed 4-bit weight and its fp32 absmax (0.5 + 4/64 B) for up to 512 rows, the crossover
+#   _gemm_4bit_use_custom_cuda gives weights of 4 Mi elements or more (smaller weights' crossovers, 16 to 1,536
+#   rows by arch and shape, are not modelled); above it, dequantize_4bit writes a half copy that F.linear reads.
+#   bitsandbytes 0.40.0's release notes give 3.4x over 16-bit for a batch-1 matmul of inner dimension >= 4096 on
+#   Ampere (2.2x Turing, 4.0x Ada / Hopper); the weight reads alone give 2 / 0.5625 = 3.6x.
+# - LLM.int8 (MatMul8bitLt; backends/default/ops.py int8_mixed_scaled_mm -> int8_scaled_mm):
+#   int8_vectorwise_quant reads the half input and writes int8 (2 + 1 B), the GEMM reads that (1 B) and the int8
+#   weight on the int8 tensor cores and writes int32 (4 B), int8_mm_dequant reads it and writes half (4 + 2 B):
+#   three launches. The outlier columns' half matmul (inputs above llm_int8_threshold, 6.0) is left out.
+SERVING_KERNELS = {
+    "int4": QuantKernels(0.5 + 4 / 64, 512, 0.5 + 4 / 64 + 2, 2, 2, False, 1),
+    "int8": QuantKernels(1.0, math.inf, 0.0, 2 + 1 + 1, 4 + 4 + 2, True, 3),
+}
 
 COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp16-pure": "fp16",
                  "int8": "fp16", "int4": "fp16"}
@@ -213,23 +243,48 @@ def _gemm_seconds(g: ops.Gemm, tokens: np.ndarray, flops_s: float, bytes_s: floa
     return g.count * g.passes * np.maximum(np.maximum(flops / flops_s, moved / bytes_s), launch_s)
 
 
+def _quant_gemm_seconds(g: ops.Gemm, tokens: np.ndarray, q: QuantKernels, flops_s: float, int8_s: float,
+                        bytes_s: float, launch_s: float) -> np.ndarray:
+    """One serving forward of a quantised linear (SERVING_KERNELS): the fused kernel's roofline up to q.fused_rows
+    rows, above them the dequantisation and a half GEMM; no faster than its launches."""
+    m = g.rows * tokens
+    fused = m <= q.fused_rows
+    flops = 2.0 * m * g.n * g.k
+    moved = m * g.k * np.where(fused, q.in_bytes, HALF) + g.k * g.n * np.where(fused, q.weight_bytes, HALF) + (
+        m * g.n * np.where(fused, q.out_bytes, HALF))
+    gemm = np.maximum(np.maximum(flops / (int8_s if q.int8_mma else flops_s), moved / bytes_s), q.kernels * launch_s)
+    dequant = np.where(fused, 0.0, np.maximum(q.dequant_bytes * g.k * g.n / bytes_s, launch_s))
+    return g.count * (gemm + dequant)
+
+
+def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flops_s: float, bytes_s: float,
+                        width: int, fwd: float, weights: str | None) -> np.ndarray:
+    """Every layer GEMM's roofline; a serving forward of bitsandbytes weights (weights: int4 / int8) prices the
+    linears transformers converts by their kernels (SERVING_KERNELS)."""
+    gen, q = generation(gpu), SERVING_KERNELS.get(weights or "")
+    int8_s = gpu.tflops.get("int8", 0.0) * 1e12 * gen.matmul or flops_s
+    return sum(_quant_gemm_seconds(g, tokens, q, flops_s, int8_s, bytes_s, gen.launch_s) if q and g.quantisable
+               else _gemm_seconds(g, tokens, flops_s, bytes_s, width, gen.launch_s) * fwd for g in o.layer_gemms)
+
+
 def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: float,
                   pp: int = 1, forward_only: bool = False, casts: bool = True,
-                  head_tokens: np.ndarray | None = None) -> np.ndarray:
+                  head_tokens: np.ndarray | None = None, weights: str | None = None) -> np.ndarray:
     """Seconds of one micro batch of `tokens` (an array) on the last pipeline stage (its 1/pp of the layers and
     the head): every GEMM's roofline, the attention core, the memory-bound kernels' bytes at the achievable
     bandwidth, per-micro-batch weight traffic. Each class of kernels (every GEMM, the attention core, the
     element-wise kernels) takes no less than the host takes to launch it (Generation.launch_s).
     forward_only: one forward (serving), the inventory's forward share. casts: autocast casts the weights (not
     in a decode step: its cache, alive for the whole generate call, already holds them). head_tokens: the tokens
-    the head runs on, when not every one (generate's prefill keeps the last position's logits only)."""
+    the head runs on, when not every one (generate's prefill keeps the last position's logits only). weights: the
+    serving weight format (int4 / int8: bitsandbytes' kernels price the converted linears)."""
     gen, prec = generation(gpu), PRECISIONS[precision]
     peak = peak_tflops(gpu, precision) * 1e12
     flops_s = peak * (gen.matmul if prec.half is not None else gen.matmul_fp32)
     bytes_s = achievable_bandwidth(gpu)
     fwd = (1 / 3) if forward_only else 1.0  # the forward is 1 of a GEMM's 3 passes
     share = ops.FORWARD_SHARE if forward_only else 1.0
-    gemms = sum(_gemm_seconds(g, tokens, flops_s, bytes_s, prec.act, gen.launch_s) for g in o.layer_gemms) * fwd
+    gemms = _layer_gemm_seconds(o, gpu, tokens, flops_s, bytes_s, prec.act, fwd, weights)
     core_flops = o.attn_flops * tokens * seq * fwd
     core = core_flops / (peak * gen.attention) if o.fused_attn else core_flops / flops_s
     core = core + o.score_moves * seq * prec.residual * tokens * share / bytes_s
@@ -434,11 +489,12 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
     bw = achievable_bandwidth(gpu)
     head = np.array([float(seqs)]) if new else None
     t = float(micro_seconds(o, gpu, compute, np.array([float(seqs * seq)]), seq, forward_only=True,
-                            head_tokens=head)[0]) + working_bytes / bw
+                            head_tokens=head, weights=w.precision)[0]) + working_bytes / bw
     steps = max(new - 1, 0)
     if steps:
         context = seq + (steps + 1) / 2  # decode step k attends to seq + k keys
-        step = micro_seconds(o, gpu, compute, np.array([float(seqs)]), context, forward_only=True, casts=False)
+        step = micro_seconds(o, gpu, compute, np.array([float(seqs)]), context, forward_only=True, casts=False,
+                             weights=w.precision)
         t += steps * float(step[0]) + decode_kv_bytes / bw
     fwd = 2 * active_params(spec) * seqs * (seq + steps)
     peak = peak_tflops(gpu, w.precision)

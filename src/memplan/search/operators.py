@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from memplan.estimator.activations import norms_per_layer
 from memplan.estimator.families import family
-from memplan.estimator.finetune import Tuning, tuned_params
+from memplan.estimator.finetune import Tuning, quantised, tuned_params
 from memplan.estimator.parallel import tp_shape
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
@@ -63,6 +63,7 @@ class Gemm(NamedTuple):
     k: int  # input features
     count: int  # matmuls of this shape in the model
     passes: int  # forward, the input's gradient, the weight's gradient (when it trains)
+    quantisable: bool = False  # a weight transformers converts to bitsandbytes' layers (finetune.quantised)
 
 
 class StepOps(NamedTuple):
@@ -113,7 +114,7 @@ def _gemm(spec: ModelSpec, g: ParamGroup, tp: int) -> Gemm | None:
         return Gemm(1.0, shape[0], shape[1], g.count, passes)
     if len(shape) == 2 and (g.weight_of or g.category in MATRIX_CATEGORIES):
         out, inp = (shape[1], shape[0]) if g.weight_of == "Conv1D" else shape
-        return Gemm(1.0, out, inp, g.count, passes)
+        return Gemm(1.0, out, inp, g.count, passes, quantised(spec, g))
     if len(shape) == 4 and g.category == "embeddings":  # a ViT patch convolution: one GEMM over the patches
         return Gemm(1.0, shape[0], shape[1] * shape[2] * shape[3], g.count, passes)
     return None
