@@ -10,8 +10,9 @@ position's logits (scoring). Beams: the cache and the logits are those of b * be
 search's per-step cache reordering (index_select per layer) is not run, so its transient is not measured.
 
 Weights: fp32 under autocast for fp16 / bf16 (the cast copies cached for the whole run, as torch.autocast
-does for leaves that require grad), half for the -pure formats. int8 / int4 (bitsandbytes) are not
-verified yet.
+does for leaves that require grad), half for the -pure formats. int8 / int4: the half model quantised by
+transformers' own bitsandbytes quantizer (verify/methods.py quantise) with serving_quantization_config, on
+--device cpu (bitsandbytes 0.50 runs there; its quantised weights cannot hold fake tensors) or cuda.
 """
 
 from __future__ import annotations
@@ -26,18 +27,31 @@ from memplan.estimator.rules import WEIGHT_FORMATS
 from memplan.inputs.workload import Workload
 
 
+QUANTISED = ("int8", "int4")
+
+
 def weight_dtype(w: Workload):
-    """The dtype the weights are loaded in, and the autocast dtype (None: no autocast)."""
+    """The dtype the weights are loaded in, and the autocast dtype (None: no autocast). int8 / int4: the half
+    model bitsandbytes then quantises (its other weights stay half: rules.WEIGHT_FORMATS)."""
     import torch
 
     fmt = WEIGHT_FORMATS[w.precision]
-    if fmt.name in ("int8", "int4"):
-        raise UserError(f"verify --task infer: --precision {w.precision} (bitsandbytes weights) is not verified "
-                        "yet; verify fp32, fp16, bf16, fp16-pure or bf16-pure")
     half = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[fmt.compute]
-    if fmt.name.endswith("-pure"):
+    if fmt.name.endswith("-pure") or fmt.name in QUANTISED:
         return half, None
     return torch.float32, half
+
+
+def serving_quantization_config(w: Workload):
+    """The BitsAndBytesConfig of --precision int4 / int8 (rules.WEIGHT_FORMATS): load_in_4bit with NF4 and fp16
+    compute, no double quantisation (BitsAndBytesConfig's default); or load_in_8bit (LLM.int8, its default
+    threshold 6.0)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if w.precision == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)
 
 
 def prompts(model, head: str, w: Workload, device: str, dtype) -> dict:
@@ -91,12 +105,18 @@ def serve(model, inputs: dict, w: Workload, *, tracker=None, autocast=None) -> l
 
 
 def _model(config, head: str | None, w: Workload, device: str, dtype):
+    from memplan.verify import methods
     from memplan.verify.run import build
 
     if head not in (None, "causal-lm") and w.max_new_tokens:
         raise UserError(f"verify --task infer generates with a causal-lm head; head {head!r} has no generate "
                         "(drop --max-new-tokens to verify one scoring forward)")
+    if w.precision in QUANTISED and device == "meta":
+        raise UserError(f"--device fake cannot verify --precision {w.precision} (bitsandbytes' quantised weights "
+                        "cannot hold fake tensors); use --device cpu with a small model, or cuda")
     model, head = build(config, head, w.attn, device, dtype)
+    if w.precision in QUANTISED:
+        methods.quantise(model, serving_quantization_config(w))
     return model.eval(), head
 
 
@@ -106,6 +126,7 @@ def run_traced_infer(config, head: str | None, w: Workload, sm: tuple[int, int],
     import torch
 
     from memplan.verify.cudasim import CudaSemantics
+    from memplan.verify.methods import quant_state_tensors
     from memplan.verify.tracer import LiveTracker
 
     fake = device == "fake"
@@ -123,7 +144,8 @@ def run_traced_infer(config, head: str | None, w: Workload, sm: tuple[int, int],
         sem = CudaSemantics(half, sm, fake=fake, force_kernel="flash" if w.attn == "flash" else None)
         tracker = LiveTracker()
         with tracker:
-            tracker.register(list(model.parameters()) + list(model.buffers()), "weights")
+            tracker.register(list(model.parameters()) + list(model.buffers()) + quant_state_tensors(model),
+                             "weights")
             tracker.set_phase("data")
             inputs = prompts(model, head, w, "cpu", dtype)
             with sem:

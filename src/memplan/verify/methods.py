@@ -62,15 +62,16 @@ def suspend_fake():
     return unset_fake_temporarily()
 
 
-def quantise(model, w: Workload) -> None:
-    """transformers' bitsandbytes loading on a built model: the quantizer replaces nn.Linear / Conv1D
+def quantise(model, config) -> None:
+    """transformers' bitsandbytes loading on a built model, for a BitsAndBytesConfig (bnb_quantization_config:
+    QLoRA's; verify/infer.py serving_quantization_config: serving's): the quantizer replaces nn.Linear / Conv1D
     (outside get_keys_to_not_convert) by bnb modules, its own quantise op (get_quantize_ops: Bnb4bitQuantize /
     Bnb8bitQuantize, which transpose a Conv1D weight) quantises each weight as from_pretrained does, and the
     quantizer marks the model (is_loaded_in_4bit / 8bit)."""
     import bitsandbytes as bnb
     from transformers.quantizers.auto import AutoHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(bnb_quantization_config(w), pre_quantized=False)
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
     floats = {name: (m.weight, m.bias) for name, m in model.named_modules()
               if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"}
     quantizer.preprocess_model(model, device_map={"": "cpu"})

@@ -224,7 +224,7 @@ def setup(config, head: str | None, w: Workload, device: str, spec: ModelSpec | 
     dtype = methods.load_dtype(w)  # the fine-tuning method's load dtype (docs/finetune.md)
     model, head = build(config, head, w.attn, device, dtype)
     if w.method == "qlora":
-        methods.quantise(model, w)
+        methods.quantise(model, methods.bnb_quantization_config(w))
         methods.prepare_kbit(model, w)
     prepare_model(model, w)
     if spec is None and w.method != "full":  # the method's modules are named by the spec's parameter table
