@@ -77,6 +77,21 @@ def test_quantised_serving_keeps_fused_experts_half():
     assert w4 > 0.95 * half
 
 
+def test_a_4bit_prefill_holds_the_weight_bitsandbytes_dequantises():
+    """Past 512 rows bitsandbytes 0.50.2 dequantises a 4-bit weight to half for F.linear (gemm_4bit's fallback):
+    Llama-2-7B's down projection (4096 x 11008) beside its input and output is the prefill's largest MLP moment
+    at 1,024 tokens; at 512 rows the fused kernel reads the packed weight, and LLM.int8 never makes the copy."""
+    def transient(precision, seq):
+        e = memplan.estimate("llama-2-7b", "a100-80g", task="infer", precision=precision, micro_batch=1, seq_len=seq)
+        return e.breakdown["transient"]
+
+    h, f, T = 4096, 11008, 1024
+    around = 4 * 2 * h * T + 2 * 2 * T * 128  # the residual stream held four times, RoPE's cos and sin
+    assert transient("int4", T) == around + 2 * f * T + 2 * h * T + 2 * h * f
+    assert transient("int4", 512) == transient("fp16-pure", 512)
+    assert transient("int8", T) == transient("fp16-pure", T) < transient("int4", T)
+
+
 def test_hardware_refusals():
     with pytest.raises(UserError, match="bf16"):
         memplan.estimate("gpt2", "v100-16g", precision="bf16")

@@ -742,7 +742,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
-                          full_logits: bool, context: int = 0) -> dict[str, list[Tensors]]:
+                          full_logits: bool, context: int = 0, dequant: int = 0) -> dict[str, list[Tensors]]:
     """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
     "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`,
     transformers 5.23 modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under
@@ -755,7 +755,8 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     with rotary models' cos and sin (1 x s x head_dim each, in the residual stream's dtype) and eager's masks.
     At the head, after the base model's forward has returned (its locals are gone): the final norm output and
     the logits, of every position when scoring, of the last one when generating (generate's
-    logits_to_keep=1, and its fp32 copy of them: generation/utils.py)."""
+    logits_to_keep=1, and its fp32 copy of them: generation/utils.py). dequant: bytes of the half copy
+    bitsandbytes makes of a 4-bit MLP weight for its matmul (inference.py dequantised_copy; 0: none)."""
     if spec.arch == "vision":
         s = spec.seq_positions
     h, T = spec.hidden_size, b * s
@@ -774,7 +775,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
-    mlp = _inference_mlp(spec, T, s, p, r, post_norm)
+    mlp = _inference_mlp(spec, T, s, p, r, post_norm, dequant)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
@@ -792,9 +793,12 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     return {k: around + ts for k, ts in layer.items()} | {"head": head}
 
 
-def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool) -> list[Tensors]:
+def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool,
+                   dequant: int = 0) -> list[Tensors]:
     """A layer's MLP under no_grad: the residual stream held four times (three post-norm) and the MLP's
-    intermediates; a MoE layer's permuted tokens and the larger of its gate_up and its combine moments."""
+    intermediates, or, with a dequantised weight, the down projection's input and output beside that half copy
+    (its matmul runs on it: bitsandbytes' dequantise + F.linear); a MoE layer's permuted tokens and the larger of
+    its gate_up and its combine moments."""
     fam, h = family(spec.model_type), spec.hidden_size
     f, f_tok = spec.intermediate_size, T
     # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
@@ -815,7 +819,9 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if fam.block_keeps_attn_output:
         mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
     if not spec.is_moe:
-        return mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
+        down = mlp + [Tensors("down projection's input", p * f * T), Tensors("down projection's output", p * h * T),
+                      Tensors("down projection's weight dequantised to half", dequant)]
+        return max([mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]] + ([down] if dequant else []), key=total)
     if fam.moe_all_experts:
         return max(_inference_all_experts(spec, T, p, r, mlp) + [mlp + [Tensors("mlp intermediates", p * f * T, n_f)]],
                    key=total)

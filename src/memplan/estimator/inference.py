@@ -15,7 +15,7 @@ from memplan.estimator.meters import gpu_workspace, meters
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
-from memplan.search.cost import inference_throughput
+from memplan.search.cost import SERVING_KERNELS, inference_throughput
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = None) -> int:
@@ -83,6 +83,16 @@ def weight_bytes(fmt: WeightFormat, spec: ModelSpec, g: ParamGroup) -> float:
     return fmt.linear if quantised(spec, g) else fmt.other
 
 
+def dequantised_copy(spec: ModelSpec, fmt: WeightFormat, rows: int) -> int:
+    """Bytes of the half copy bitsandbytes 0.50.2 makes of a 4-bit weight for a matmul of more rows than its fused
+    kernel takes (backends/cuda/ops.py gemm_4bit -> _dequant_linear_fallback: dequantize_4bit, then F.linear;
+    cost.SERVING_KERNELS' crossover): the MLP's largest converted weight (fused MoE experts stay half). 0 for
+    int8 (its int8 GEMM reads the int8 weight), other formats and fewer rows."""
+    if fmt.name != "int4" or rows <= SERVING_KERNELS["int4"].fused_rows or spec.is_moe:
+        return 0
+    return HALF * max((g.numel for g in spec.params if g.category == "mlp" and quantised(spec, g)), default=0)
+
+
 def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
     """(all, head, MLP) half copies autocast keeps of the fp32 weights while serving (states.autocast_copies);
     only the head's where the layers' casts are not cached (Falcon: families.Family.autocast_caches_layer_weights)."""
@@ -109,7 +119,8 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
-    ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate)
+    ws = inference_working_set(spec, seqs, w.seq_len, p, r, w.attn, full_logits=not generate,
+                               dequant=dequantised_copy(spec, fmt, seqs * w.seq_len))
     length, static = w.seq_len + w.max_new_tokens, w.kv_cache == "static"
     # StaticCache allocates each layer's whole length (a sliding layer's window) at its first update
     # (StaticLayer.lazy_initialization); DynamicCache holds the prompt
@@ -134,7 +145,8 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
         grow_tokens = (min(max(windows), length) if windows else 0) if static else length
         key_width = spec.kv_lora_rank if spec.is_mla else spec.num_kv_heads * spec.head_dim  # MLA's keys: the latent
         grow = key_width * kv_b * seqs * grow_tokens
-        step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length)
+        step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length,
+                                     dequant=dequantised_copy(spec, fmt, seqs))
         cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
         moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
         notes.append(f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens")
