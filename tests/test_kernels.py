@@ -352,14 +352,16 @@ def test_estimate_with_the_tiled_mlp_agrees_with_the_trace(name, mb, seq, kw, tm
 
 
 def test_estimate_with_all_of_memplans_kernels_agrees_with_the_trace():
-    """--attn memplan --kernels --tiled-mlp on a Qwen2 (GQA): the tiled attention keeps what SDPA keeps;
-    the kernels see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once. Qwen2.5-0.5B's
-    widths and vocabulary at 3 of its 24 layers (the full depth takes ~45 s to trace)."""
+    """--attn memplan --kernels --tiled-mlp on GQA decoders: the tiled attention keeps what SDPA keeps; the kernels
+    see the trace's emulated CUDA autocast (kernels/amp.py) and cast their inputs once. Qwen2.5-0.5B's widths and
+    tied vocabulary at 3 of its 24 layers (the full depth takes ~45 s to trace), and llama-small, untied, whose
+    peak is the fused loss's backward block (3.3 % under before its three fp32 blocks were counted)."""
     from memplan.verify.run import run
 
-    r = run(model=str(QWEN2_SMALL), gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
-            precision="bf16", kernels=True, tiled_mlp=True)
-    assert abs(r.meters[0].error_pct) <= 2, r.meters[0]
+    for model in (QWEN2_SMALL, QWEN2_SMALL.parent / "llama-small.json"):
+        r = run(model=str(model), gpu="a100-80g", device="fake", steps=2, micro_batch=2, seq_len=1024, attn="memplan",
+                precision="bf16", kernels=True, tiled_mlp=True)
+        assert abs(r.meters[0].error_pct) <= 0.5, (model.name, r.meters[0])
 
 
 def test_suggest_turns_the_tiled_mlp_on_where_it_fits_more_and_says_so():
