@@ -114,7 +114,6 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     # under autocast k is fp32 and is cached so; v, a projection's output, stays in the matmul dtype
     # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
     kv_b = r if rotary_in_stream_dtype(spec) else p
-    notes: list[str] = []
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, spec, g)) + round_block(spec.buffer_bytes)
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
@@ -149,13 +148,12 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
                                      dequant=dequantised_copy(spec, fmt, seqs))
         cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
         moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
-        notes.append(f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens")
     sums = {k: weights + c + kv + _rounded_total(ts) for k, (c, kv, ts) in moments.items()}
     peak_moment = max(sums, key=lambda k: sums[k])
     c, kv, work_ts = moments[peak_moment]
     peak_phase = "decode" if peak_moment == "decode" else "prefill"
-    phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | (
-        {"decode": sums["decode"]} if generate else {})
+    phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | ({"decode": sums["decode"]} if generate else {})
+    notes = [f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])

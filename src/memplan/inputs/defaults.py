@@ -52,6 +52,9 @@ PRECISION_HELP = {
     "int8": "bitsandbytes LLM.int8 weights; inference",
     "int4": "bitsandbytes NF4 weights; inference",
 }
+# the half weights at inference: no gradients or states to speak of
+SERVING_HALF = {"bf16-pure": "bf16 weights, from_pretrained(dtype=torch.bfloat16)",
+                "fp16-pure": "fp16 weights, from_pretrained(dtype=torch.float16)"}
 
 
 def seq_len(spec: ModelSpec, task: str) -> int:
@@ -109,7 +112,8 @@ TABLE = (
     Default("seq_len", ("train", "infer"), lambda m, g, t, n: seq_len(m, t),
             lambda v, m, g, t, n: f"seq-len {v} ({_seq_why(m)})"),
     Default("precision", ("train", "infer"), lambda m, g, t, n: precision(g, t),
-            lambda v, m, g, t, n: f"precision {v} (the best {g.name} runs: {PRECISION_HELP[v]})"),
+            lambda v, m, g, t, n: f"precision {v} (the best {g.name} runs: "
+                                  f"{(SERVING_HALF if t == 'infer' else {}).get(v, PRECISION_HELP[v])})"),
     Default("optim", ("train",), lambda m, g, t, n: OPTIM,
             lambda v, m, g, t, n: f"optimizer {v} (HF Trainer's default)"),
     Default("kernels", ("train",), lambda m, g, t, n: KERNELS,
