@@ -113,13 +113,17 @@ class QuantKernels(NamedTuple):
 #   rows by arch and shape, are not modelled); above it, dequantize_4bit writes a half copy that F.linear reads.
 #   bitsandbytes 0.40.0's release notes give 3.4x over 16-bit for a batch-1 matmul of inner dimension >= 4096 on
 #   Ampere (2.2x Turing, 4.0x Ada / Hopper); the weight reads alone give 2 / 0.5625 = 3.6x.
-# - LLM.int8 (MatMul8bitLt; backends/default/ops.py int8_mixed_scaled_mm -> int8_scaled_mm):
-#   int8_vectorwise_quant reads the half input and writes int8 (2 + 1 B), the GEMM reads that (1 B) and the int8
-#   weight on the int8 tensor cores and writes int32 (4 B), int8_mm_dequant reads it and writes half (4 + 2 B):
-#   three launches. The outlier columns' half matmul (inputs above llm_int8_threshold, 6.0) is left out.
+# - LLM.int8 (MatMul8bitLt; backends/cuda/ops.py int8_vectorwise_quant, backends/default/ops.py
+#   int8_mixed_scaled_mm -> int8_scaled_mm): the outlier search at llm_int8_threshold 6.0 (A.abs() >= threshold,
+#   any(): read 2, write 2, read 2, write 1, read 1 B an input element, and a host sync on `if outliers.any()`),
+#   the quantisation (read 2, write 1), the GEMM reading that (1 B) and the int8 weight and writing int32 (4 B),
+#   int8_mm_dequant reading it and writing half (4 + 2 B): six launches. The GEMM is priced at the half rate, not
+#   the int8 tensor cores': published LLM.int8 inference runs 2 to 6x slower than fp16 (bitsandbytes issues 347,
+#   490, 605, 2023) and no measurement of 0.50's kernel says otherwise. The outlier columns' half matmul (argwhere,
+#   another sync) is left out.
 SERVING_KERNELS = {
     "int4": QuantKernels(0.5 + 4 / 64, 512, 0.5 + 4 / 64 + 2, 2, 2, False, 1),
-    "int8": QuantKernels(1.0, math.inf, 0.0, 2 + 1 + 1, 4 + 4 + 2, True, 3),
+    "int8": QuantKernels(1.0, math.inf, 0.0, 2 + 2 + 2 + 1 + 1 + 2 + 1 + 1, 4 + 4 + 2, False, 6),
 }
 
 COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp16-pure": "fp16",
