@@ -57,7 +57,8 @@ def test_cpu_tracer_counts_real_allocations_like_the_fake_one():
     """Same plan, real tensors vs FakeTensors, activation-heavy (eager, dropout, autocast bf16):
     every category of the breakdown at the peak agrees, not just the total."""
     cfg, head = resolve_config("bert-base")
-    cfg = {**cfg, "num_hidden_layers": 2}
+    # bert-base at a quarter of its width: bf16 matmuls on a CPU without bf16 units dominate the real run
+    cfg = {**cfg, "num_hidden_layers": 2, "hidden_size": 192, "num_attention_heads": 3, "intermediate_size": 768}
     w = api.workload(micro_batch=2, seq_len=64, precision="bf16", attn="eager", optim="adamw_torch")
     fake = run_traced(cfg, head, w, (8, 0), "fake", 2)["summary"]
     real = run_traced(cfg, head, w, (8, 0), "cpu", 2)["summary"]
@@ -260,13 +261,13 @@ def test_verify_inference_refuses_quantised_weights_on_fake_tensors():
         run(model="gpt2", gpu="a100-80g", device="fake", task="infer", precision="int4", micro_batch=1, seq_len=64)
 
 
-@pytest.mark.parametrize("config, precision, new", [("mixtral-small", "int4", 8), ("llama-small", "int8", 0)])
+@pytest.mark.parametrize("config, precision, new", [("mixtral-small", "int4", 4), ("llama-small", "int8", 0)])
 def test_quantised_serving_on_the_cpu_matches_the_estimate(config, precision, new):
     """bitsandbytes weights, quantised by transformers' own quantizer and run by bitsandbytes 0.50 on the CPU:
     Mixtral's fused experts stay half (quantising them, memplan's old rule, put the weights 52 % under), the
     LLM.int8 weights carry their row scales."""
     rep = run(model=str(ROOT / f"benchmarks/accuracy/configs/{config}.json"), gpu="a100-80g", device="cpu",
-              task="infer", precision=precision, micro_batch=2, seq_len=256, max_new_tokens=new)
+              task="infer", precision=precision, micro_batch=2, seq_len=128, max_new_tokens=new)
     assert abs(rep.meters[0].error_pct) < 0.5, rep.meters[0]
     weights = rep.breakdown["weights"]
     assert weights["measured"] == pytest.approx(weights["predicted"], rel=0.002)
