@@ -117,6 +117,44 @@ def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment, memplan_c
     assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize("expandable, conf, ok", [(False, "", True), (True, "expandable_segments:True", True),
+                                                  (True, "max_split_size_mb:128", False),
+                                                  (False, "garbage_collection_threshold:0.8,expandable_segments:True", False)])
+def test_a_cuda_run_refuses_an_allocator_other_than_the_plans(expandable, conf, ok):
+    """PYTORCH_CUDA_ALLOC_CONF fixes the allocator before CUDA starts: verify --device cuda measures that one, so
+    the plan's --expandable-segments must match it (one line, exit 2, rather than two allocators compared)."""
+    from memplan.errors import UserError
+    from memplan.verify.run import check_allocator_mode
+
+    if ok:
+        check_allocator_mode(expandable, conf)
+    else:
+        with pytest.raises(UserError, match="allocator mode"):
+            check_allocator_mode(expandable, conf)
+
+
+def test_the_gpu_grid_asks_verify_what_its_options_accept(monkeypatch):
+    """benchmarks/gpu_grid.py (run when a GPU is lent): every case's command line parses as `memplan verify`'s,
+    each mode's PYTORCH_CUDA_ALLOC_CONF is the one verify accepts for it, and without a GPU it exits 2."""
+    import importlib.util
+
+    from memplan.cli.commands import verify
+    from memplan.verify.run import check_allocator_mode
+
+    spec = importlib.util.spec_from_file_location("gpu_grid", ROOT / "benchmarks" / "gpu_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    for case in grid.GRID:
+        for expandable in grid.MODES:
+            args = grid.command(case, expandable)
+            ctx = verify.make_context("verify", args[args.index("verify") + 1:])
+            assert ctx.params["device"] == "cuda" and ctx.params["expandable_segments"] is expandable
+            check_allocator_mode(expandable, grid.environment(expandable).get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("sys.argv", ["gpu_grid.py"])
+        assert grid.main() == 2
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_run_matches_the_estimate():

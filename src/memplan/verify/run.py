@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from typing import Any, Callable
 
@@ -453,6 +454,18 @@ def read_plan(path: str, index: int) -> tuple[str, str, dict[str, Any]]:
     return model, est.get("gpu", ""), dict(est["workload"])
 
 
+def check_allocator_mode(expandable: bool, alloc_conf: str) -> None:
+    """A real run measures the allocator this process runs, which PYTORCH_CUDA_ALLOC_CONF fixes before CUDA
+    starts: the plan's mode (--expandable-segments) must be that one, or the meters compare two allocators."""
+    running = "expandable_segments:true" in alloc_conf.replace(" ", "").lower()
+    if expandable != running:
+        raise UserError("--device cuda: the plan's allocator mode is " + (
+            "expandable segments, but this process runs the default allocator (start it with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)" if expandable else
+            "the default, but PYTORCH_CUDA_ALLOC_CONF sets expandable segments (add --expandable-segments, or "
+            "unset it)"))
+
+
 def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_remote_code: bool = False,
         plan_file: str | None = None, plan_index: int = 0, device: str = "auto", steps: int = 2,
         progress: bool = False, **given: Any) -> VerifyReport:
@@ -487,6 +500,8 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     if w.world > 1 or w.zero or w.fsdp != "none":
         raise UserError("verify runs the single-GPU Trainer step; multi-GPU plans (data / tensor / pipeline "
                         "parallel, ZeRO, FSDP) are not verified yet")
+    if device == "cuda":
+        check_allocator_mode(w.expandable_segments, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     config, head = resolve_config(model, head, trust_remote_code)
     note = {"cuda": f"real run on {torch.cuda.get_device_name() if device == 'cuda' else ''}",
             "cpu": "real run on the CPU with CUDA memory semantics (memplan.verify.cudasim), tensors counted",
