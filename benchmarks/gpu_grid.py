@@ -6,11 +6,13 @@ reserved memory of the estimate's own allocations replayed through the allocator
     python benchmarks/gpu_grid.py [--max-seconds 420] [--out benchmarks/results/gpu_grid]
     python benchmarks/gpu_grid.py --dry-run      # the grid and its predictions; no GPU needed
 
-Each run is `memplan verify --device cuda --json` in a fresh process: its own CUDA context, and
-PYTORCH_CUDA_ALLOC_CONF set before CUDA starts (expandable segments or the default allocator; verify refuses a
-plan whose mode is not the process's). Runs go case by case, both modes each, until --max-seconds would be
-passed, so a short lease still gives whole pairs. The raw verify documents go into OUT.json with the command and
-the device; OUT.md tabulates predicted against measured.
+Each run is `memplan verify --device cuda --json` in a fresh process: its own CUDA context, and the allocator
+settings (PYTORCH_ALLOC_CONF and its older alias PYTORCH_CUDA_ALLOC_CONF) set before CUDA starts, expandable
+segments or the default allocator (verify refuses a plan whose mode is not the process's). Cases go one by one,
+both modes each; a case starts only while a pair of runs as long as the longest so far fits in --max-seconds, so a
+short lease still gives whole pairs. After every run OUT.json (the raw verify documents, the command, the device)
+and OUT.md (predicted against measured) are rewritten, so a lease that ends early keeps what was measured. Needs
+a CUDA build of torch on the machine.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ GRID = [
     dict(model="qwen2.5-0.5b", seq_len=2048, micro_batch=4, precision="bf16", attn="sdpa"),
     dict(model="qwen2.5-0.5b", seq_len=2048, micro_batch=8, precision="bf16", attn="sdpa", grad_ckpt="full"),
 ]
-STEPS = 4  # the first creates the optimizer state; verify's step time is the median of the rest
+STEPS = 4  # the first creates the optimizer state; verify's step time is the median of the steps after it
 MODES = (False, True)  # expandable segments off, on
+RUN_TIMEOUT_S = 300  # one verify run, model build included
 
 
 def command(case: dict, expandable: bool) -> list[str]:
@@ -56,48 +59,59 @@ def command(case: dict, expandable: bool) -> list[str]:
 
 
 def environment(expandable: bool) -> dict:
-    env = dict(os.environ)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if expandable:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    if expandable:  # both names: torch 2.9.1 read only the alias for CUDA (pytorch/pytorch issue 183387)
+        env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
 
 
 def run_one(case: dict, expandable: bool) -> dict:
     t0 = time.perf_counter()
-    p = subprocess.run(command(case, expandable), env=environment(expandable), capture_output=True, text=True)
-    out = {"case": case, "expandable_segments": expandable, "seconds": round(time.perf_counter() - t0, 1),
-           "returncode": p.returncode}
-    if p.returncode == 0:
-        out["verify"] = json.loads(p.stdout)
-    else:
-        out["stderr"] = p.stderr.strip().splitlines()[-1:] if p.stderr.strip() else []
+    out = {"case": case, "expandable_segments": expandable}
+    try:
+        p = subprocess.run(command(case, expandable), env=environment(expandable), capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_S)
+        out["returncode"] = p.returncode
+        if p.returncode == 0:
+            out["verify"] = json.loads(p.stdout)
+        else:
+            out["stderr"] = p.stderr.strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        out |= {"returncode": None, "stderr": [f"timed out after {RUN_TIMEOUT_S} s"]}
+    except json.JSONDecodeError as e:
+        out |= {"returncode": None, "stderr": [f"verify's output is not JSON: {e}"]}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def _ratio(pred, meas) -> str:
+    return f"{pred:,.3f} / {meas:,.3f} ({100 * (pred / meas - 1):+.1f} %)" if pred and meas else f"{pred} / {meas}"
 
 
 def row(r: dict) -> str:
     """One markdown row: step time and each meter, predicted / measured, and the replayed reserved."""
     case, mode = r["case"], "expandable" if r["expandable_segments"] else "default"
-    label = " ".join(f"{v}" for v in case.values())
+    label = " ".join(f"{k}={v}" for k, v in case.items())
     if r["returncode"] != 0:
-        return f"| {label} | {mode} | failed: {' '.join(r['stderr'])} |||||"
+        return f"| {label} | {mode} | failed: {' '.join(r.get('stderr', []))} |||||"
     v = r["verify"]
     est, meters = v["estimate"], {m["meter"]: m for m in v["meters"]}
     replay = (est.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default",
                                                  {}).get("simulated_reserved_bytes")
-    reserved = meters["peak_reserved"]["measured_bytes"]
-    cells = [f"{est['step_time_s']:.3f} / {v['step_time_s']:.3f} ({100 * (est['step_time_s'] / v['step_time_s'] - 1):+.1f} %)"]
+    cells = [_ratio(est.get("step_time_s"), v.get("step_time_s"))]
     for name in ("peak_allocated", "peak_reserved", "device_used"):
-        m = meters[name]
-        cells.append(f"{m['predicted_bytes'] / MiB:,.0f} / {m['measured_bytes'] / MiB:,.0f} ({m['error_pct']:+.1f} %)")
-    cells.append(f"{replay / MiB:,.0f} ({100 * (replay / reserved - 1):+.1f} %)" if replay else "")
+        m = meters.get(name, {})
+        cells.append(_ratio((m.get("predicted_bytes") or 0) / MiB, (m.get("measured_bytes") or 0) / MiB))
+    reserved = meters.get("peak_reserved", {}).get("measured_bytes")
+    cells.append(_ratio(replay / MiB, reserved / MiB) if replay and reserved else "")
     return f"| {label} | {mode} | " + " | ".join(cells) + " |"
 
 
 def report(results: list[dict], device: str, cmd: str) -> str:
     lines = [f"# GPU grid on {device}", "", f"`{cmd}`", "",
-             "Predicted / measured: step seconds (median of steps 2-4), then MiB; the replayed reserved is the "
-             "estimate's own allocations through the allocator simulation, against the measured reserved.", "",
+             "Predicted / measured: step seconds (verify's median of the steps after the first), then MiB; the "
+             "replayed reserved is the estimate's own allocations through the allocator simulation, against the "
+             "measured reserved.", "",
              "| case | allocator | step s | peak allocated | peak reserved | device used | replayed reserved |",
              "|---|---|---|---|---|---|---|"]
     lines += [row(r) for r in results]
@@ -137,17 +151,19 @@ def main() -> int:
         print("gpu_grid: no CUDA GPU is visible to torch (use --dry-run to see the grid)", file=sys.stderr)
         return 2
     device, t0, results = torch.cuda.get_device_name(), time.perf_counter(), []
-    for case in GRID:
-        for expandable in MODES:
-            if results and time.perf_counter() - t0 + max(r["seconds"] for r in results) > args.max_seconds:
-                break
-            results.append(run_one(case, expandable))
-            print(row(results[-1]), flush=True)
-    cmd = "python benchmarks/gpu_grid.py " + " ".join(sys.argv[1:])
+    cmd = ("python benchmarks/gpu_grid.py " + " ".join(sys.argv[1:])).strip()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": device, "results": results}, indent=1))
-    out.with_suffix(".md").write_text(report(results, device, cmd))
+    for case in GRID:
+        longest = max((r["seconds"] for r in results), default=0.0)
+        if time.perf_counter() - t0 + len(MODES) * longest > args.max_seconds:
+            break
+        for expandable in MODES:
+            results.append(run_one(case, expandable))
+            print(row(results[-1]), flush=True)
+            out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": device, "results": results},
+                                                           indent=1))
+            out.with_suffix(".md").write_text(report(results, device, cmd))
     return 0
 
 

@@ -78,17 +78,18 @@ def test_quantised_serving_keeps_fused_experts_half():
 
 
 def test_a_4bit_prefill_holds_the_weight_bitsandbytes_dequantises():
-    """Past 512 rows bitsandbytes 0.50.2 dequantises a 4-bit weight to half for F.linear (gemm_4bit's fallback):
-    Llama-2-7B's down projection (4096 x 11008) beside its input and output is the prefill's largest MLP moment
-    at 1,024 tokens; at 512 rows the fused kernel reads the packed weight, and LLM.int8 never makes the copy."""
+    """Past 4 rows memplan takes bitsandbytes 0.50.2's fallback (gemm_4bit: dequantise to half, then F.linear):
+    Llama-2-7B's up projection runs on a half copy of its 11008 x 4096 weight beside act(gate) and its own output,
+    the prefill's largest MLP moment at 1,024 tokens; at 4 rows the fused kernel reads the packed weight, and
+    LLM.int8's GEMM reads its int8 weight (no copy)."""
     def transient(precision, seq):
         e = memplan.estimate("llama-2-7b", "a100-80g", task="infer", precision=precision, micro_batch=1, seq_len=seq)
         return e.breakdown["transient"]
 
     h, f, T = 4096, 11008, 1024
     around = 4 * 2 * h * T + 2 * 2 * T * 128  # the residual stream held four times, RoPE's cos and sin
-    assert transient("int4", T) == around + 2 * f * T + 2 * h * T + 2 * h * f
-    assert transient("int4", 512) == transient("fp16-pure", 512)
+    assert transient("int4", T) == around + 2 * (2 * f * T) + 2 * h * f
+    assert transient("int4", 4) == transient("fp16-pure", 4) < transient("int4", 5)
     assert transient("int8", T) == transient("fp16-pure", T) < transient("int4", T)
 
 

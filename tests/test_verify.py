@@ -104,7 +104,8 @@ def test_verify_reads_a_suggest_plan_and_keeps_the_json_contract(tmp_path, mempl
     (["--plan", "{missing}"], "cannot read"),
     (["--model", "bert-base", "--device", "cuda"], "no CUDA GPU"),
     (["--model", "bert-base", "--steps", "0"], "--steps"),
-    (["--model", "bert-base", "--task", "infer", "--precision", "int8"], "--device fake cannot verify --precision int8"),
+    (["--model", "bert-base", "--task", "infer", "--precision", "int8", "--device", "fake"],
+     "--device fake cannot verify --precision int8"),
     (["--model", "t5-small", "--task", "infer", "--max-new-tokens", "4"], "no generate"),
 ])
 def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment, memplan_cli):
@@ -124,13 +125,16 @@ def test_a_cuda_run_refuses_an_allocator_other_than_the_plans(expandable, conf, 
     """PYTORCH_CUDA_ALLOC_CONF fixes the allocator before CUDA starts: verify --device cuda measures that one, so
     the plan's --expandable-segments must match it (one line, exit 2, rather than two allocators compared)."""
     from memplan.errors import UserError
-    from memplan.verify.run import check_allocator_mode
+    from memplan.verify.run import alloc_conf, check_allocator_mode
 
     if ok:
         check_allocator_mode(expandable, conf)
     else:
         with pytest.raises(UserError, match="allocator mode"):
             check_allocator_mode(expandable, conf)
+    # torch reads PYTORCH_ALLOC_CONF first, its older alias PYTORCH_CUDA_ALLOC_CONF otherwise
+    assert alloc_conf({"PYTORCH_ALLOC_CONF": conf, "PYTORCH_CUDA_ALLOC_CONF": "x"}) == (conf or "x")
+    assert alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": conf}) == conf and alloc_conf({}) == ""
 
 
 def test_the_gpu_grid_asks_verify_what_its_options_accept(monkeypatch):
@@ -153,6 +157,16 @@ def test_the_gpu_grid_asks_verify_what_its_options_accept(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setattr("sys.argv", ["gpu_grid.py"])
         assert grid.main() == 2
+    # its table from a verify document (a fake run's: no step time) and from a failed run, each mode
+    case = dict(model=str(ROOT / "benchmarks/accuracy/configs/llama-small.json"), micro_batch=1, seq_len=64)
+    doc = json.loads(run(gpu="a100-80g", device="fake", **case).model_dump_json())
+    results = [{"case": case, "expandable_segments": e, "returncode": 0, "verify": doc, "seconds": 1.0}
+               for e in grid.MODES] + [{"case": case, "expandable_segments": False, "returncode": 2,
+                                        "stderr": ["memplan: error: boom"], "seconds": 0.5}]
+    table = grid.report(results, "test", "python benchmarks/gpu_grid.py").splitlines()
+    assert len([line for line in table if line.startswith("| model=")]) == 3 and "failed: memplan: error: boom" in table[-3]
+    replayed = doc["estimate"]["by_allocator"]["default"]["simulated_reserved_bytes"] / 2**20
+    assert f"{replayed:,.3f} / " in table[-5] and table[-1].startswith("Median |error|: peak_allocated")
 
 
 @pytest.mark.cuda

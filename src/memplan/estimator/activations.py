@@ -820,9 +820,8 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if fam.block_keeps_attn_output:
         mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
     if not spec.is_moe:
-        down = mlp + [Tensors("down projection's input", p * f * T), Tensors("down projection's output", p * h * T),
-                      Tensors("down projection's weight dequantised to half", dequant)]
-        return max([mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]] + ([down] if dequant else []), key=total)
+        return max([mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]] + _dequant_moments(spec, T, p, dequant, mlp),
+                   key=total)
     if fam.moe_all_experts:
         return max(_inference_all_experts(spec, T, p, r, mlp) + [mlp + [Tensors("mlp intermediates", p * f * T, n_f)]],
                    key=total)
@@ -842,6 +841,24 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if biased_experts(spec):
         n_f += 2 if spec.mlp == "gated" else 1
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
+
+
+def _dequant_moments(spec: ModelSpec, T: int, p: int, dequant: int, mlp: list[Tensors]) -> list[list[Tensors]]:
+    """A dense MLP's projections, each running on a half copy of its 4-bit weight (`dequant`: the largest one's
+    bytes, taken for each): the up projection beside act(gate) and its output (a fused gate_up: its 2f-wide
+    output), the down projection beside its input and output."""
+    if not dequant:
+        return []
+    h, f = spec.hidden_size, spec.intermediate_size
+    copy = Tensors("a projection's weight dequantised to half (bitsandbytes)", dequant)
+    if spec.mlp != "gated":
+        up = [Tensors("up projection's output", p * f * T)]
+    elif family(spec.model_type).gated_up_linears == 1:
+        up = [Tensors("gate_up projection's output", p * 2 * f * T)]
+    else:
+        up = [Tensors("act(gate), up projection's output", p * f * T, 2)]
+    down = [Tensors("down projection's input", p * f * T), Tensors("down projection's output", p * h * T)]
+    return [mlp + up + [copy], mlp + down + [copy]]
 
 
 def _inference_all_experts(spec: ModelSpec, T: int, p: int, r: int, base: list[Tensors]) -> list[list[Tensors]]:

@@ -100,31 +100,36 @@ class QuantKernels(NamedTuple):
     weight_bytes: float  # what the fused kernel reads per weight element
     fused_rows: float  # rows (M) up to which the fused kernel runs; above, a half copy and F.linear
     dequant_bytes: float  # per weight element above fused_rows: read the packed weight, write the half copy
-    in_bytes: float  # per input element
-    out_bytes: float  # per output element
-    int8_mma: bool  # the GEMM runs on the int8 tensor cores (the profile's int8 peak)
+    gemm_in: float  # per input element the GEMM reads
+    gemm_out: float  # per output element the GEMM writes
+    extra_in: float  # per input element, the memory-bound kernels around the GEMM (added to it)
+    extra_out: float  # per output element, likewise
     kernels: int  # launches per linear
 
 
 # Serving weight formats' linears (`--task infer --precision int4 / int8`):
 # - NF4 (autograd/_functions.py matmul_4bit -> backends/cuda/ops.py gemm_4bit): under no_grad the fused kernel
-#   reads the packed 4-bit weight and its fp32 absmax (0.5 + 4/64 B) for up to 512 rows, the crossover
-#   _gemm_4bit_use_custom_cuda gives weights of 4 Mi elements or more (smaller weights' crossovers, 16 to 1,536
-#   rows by arch and shape, are not modelled); above it, dequantize_4bit writes a half copy that F.linear reads.
-#   bitsandbytes 0.40.0's release notes give 3.4x over 16-bit for a batch-1 matmul of inner dimension >= 4096 on
-#   Ampere (2.2x Turing, 4.0x Ada / Hopper); the weight reads alone give 2 / 0.5625 = 3.6x.
+#   reads the packed 4-bit weight and its fp32 absmax (0.5 + 4/64 B). It always runs for up to 4 rows
+#   (_GEMM_4BIT_CUSTOM_FLOOR_M); from 5 to 512 rows _gemm_4bit_use_custom_cuda picks it or the fallback by
+#   arch and shape (an A100 dequantises a 4096 x 4096 weight from 6 rows, Llama-2-7B's down projection from 16;
+#   an H100 a 4096 x 4096 one from 8), and above 512 always the fallback: dequantize_4bit writes a half copy
+#   that F.linear reads. memplan takes the fallback above 4 rows: the copy is then never missed, and the time
+#   errs slow. bitsandbytes 0.40.0's release notes give 3.4x over 16-bit for a batch-1 matmul of inner
+#   dimension >= 4096 on Ampere (2.2x Turing, 4.0x Ada / Hopper); the weight reads alone give 2 / 0.5625 = 3.6x.
 # - LLM.int8 (MatMul8bitLt; backends/cuda/ops.py int8_vectorwise_quant, backends/default/ops.py
 #   int8_mixed_scaled_mm -> int8_scaled_mm): the outlier search at llm_int8_threshold 6.0 (A.abs() >= threshold,
-#   any(): read 2, write 2, read 2, write 1, read 1 B an input element, and a host sync on `if outliers.any()`),
-#   the quantisation (read 2, write 1), the GEMM reading that (1 B) and the int8 weight and writing int32 (4 B),
-#   int8_mm_dequant reading it and writing half (4 + 2 B): six launches. The GEMM is priced at the half rate, not
-#   the int8 tensor cores': published LLM.int8 inference runs 2 to 6x slower than fp16 (bitsandbytes issues 347,
-#   490, 605, 2023) and no measurement of 0.50's kernel says otherwise. The outlier columns' half matmul (argwhere,
-#   another sync) is left out.
+#   any(): read 2, write 2, read 2, write 1, read 1 B an input element, and a host sync on `if outliers.any()`)
+#   and the quantisation (read 2, write 1) before the GEMM, which reads the int8 input (1 B) and the int8 weight
+#   and writes int32 (4 B); int8_mm_dequant reads that and writes half (4 + 2 B) after it: six launches, the
+#   memory-bound ones added to the GEMM. The GEMM is priced at the half rate, not the int8 tensor cores':
+#   published LLM.int8 inference ran 2 to 6x slower than fp16 (bitsandbytes issues 347, 490, 605, 2023) and no
+#   measurement of 0.50's kernel says otherwise. The outlier columns' half matmul (argwhere, another sync) is
+#   left out.
 SERVING_KERNELS = {
-    "int4": QuantKernels(0.5 + 4 / 64, 512, 0.5 + 4 / 64 + 2, 2, 2, False, 1),
-    "int8": QuantKernels(1.0, math.inf, 0.0, 2 + 2 + 2 + 1 + 1 + 2 + 1 + 1, 4 + 4 + 2, False, 6),
+    "int4": QuantKernels(0.5 + 4 / 64, 4, 0.5 + 4 / 64 + 2, 2, 2, 0, 0, 1),
+    "int8": QuantKernels(1.0, math.inf, 0.0, 1, 4, 2 + 2 + 2 + 1 + 1 + 2 + 1, 4 + 2, 6),
 }
+
 
 COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp16-pure": "fp16",
                  "int8": "fp16", "int4": "fp16"}
@@ -247,18 +252,19 @@ def _gemm_seconds(g: ops.Gemm, tokens: np.ndarray, flops_s: float, bytes_s: floa
     return g.count * g.passes * np.maximum(np.maximum(flops / flops_s, moved / bytes_s), launch_s)
 
 
-def _quant_gemm_seconds(g: ops.Gemm, tokens: np.ndarray, q: QuantKernels, flops_s: float, int8_s: float,
-                        bytes_s: float, launch_s: float) -> np.ndarray:
-    """One serving forward of a quantised linear (SERVING_KERNELS): the fused kernel's roofline up to q.fused_rows
-    rows, above them the dequantisation and a half GEMM; no faster than its launches."""
+def _quant_gemm_seconds(g: ops.Gemm, tokens: np.ndarray, q: QuantKernels, flops_s: float, bytes_s: float,
+                        launch_s: float) -> np.ndarray:
+    """One serving forward of a quantised linear (SERVING_KERNELS): up to q.fused_rows rows the fused kernel's
+    roofline, above them the dequantisation and a half GEMM; the memory-bound kernels around the GEMM added;
+    no faster than its launches."""
     m = g.rows * tokens
     fused = m <= q.fused_rows
     flops = 2.0 * m * g.n * g.k
-    moved = m * g.k * np.where(fused, q.in_bytes, HALF) + g.k * g.n * np.where(fused, q.weight_bytes, HALF) + (
-        m * g.n * np.where(fused, q.out_bytes, HALF))
-    gemm = np.maximum(np.maximum(flops / (int8_s if q.int8_mma else flops_s), moved / bytes_s), q.kernels * launch_s)
-    dequant = np.where(fused, 0.0, np.maximum(q.dequant_bytes * g.k * g.n / bytes_s, launch_s))
-    return g.count * (gemm + dequant)
+    moved = m * g.k * np.where(fused, q.gemm_in, HALF) + g.k * g.n * np.where(fused, q.weight_bytes, HALF) + (
+        m * g.n * np.where(fused, q.gemm_out, HALF))
+    extra = (m * g.k * q.extra_in + m * g.n * q.extra_out + np.where(fused, 0.0, q.dequant_bytes * g.k * g.n)) / bytes_s
+    return g.count * np.maximum(np.maximum(flops / flops_s, moved / bytes_s) + extra,
+                                (q.kernels + np.where(fused, 0, 1)) * launch_s)
 
 
 def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flops_s: float, bytes_s: float,
@@ -266,8 +272,7 @@ def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flo
     """Every layer GEMM's roofline; a serving forward of bitsandbytes weights (weights: int4 / int8) prices the
     linears transformers converts by their kernels (SERVING_KERNELS)."""
     gen, q = generation(gpu), SERVING_KERNELS.get(weights or "")
-    int8_s = gpu.tflops.get("int8", 0.0) * 1e12 * gen.matmul or flops_s
-    return sum(_quant_gemm_seconds(g, tokens, q, flops_s, int8_s, bytes_s, gen.launch_s) if q and g.quantisable
+    return sum(_quant_gemm_seconds(g, tokens, q, flops_s, bytes_s, gen.launch_s) if q and g.quantisable
                else _gemm_seconds(g, tokens, flops_s, bytes_s, width, gen.launch_s) * fwd for g in o.layer_gemms)
 
 

@@ -164,7 +164,7 @@ def run_cuda_infer(config, head: str | None, w: Workload) -> dict[str, Any]:
     """A real serving step on the GPU: peak allocated / reserved and NVML, the forward times."""
     import torch
 
-    from memplan.verify.run import PlanOOM, nvml_used
+    from memplan.verify.run import PlanOOM, fresh_peaks, nvml_used
 
     dtype, half = weight_dtype(w)
     torch.cuda.empty_cache()
@@ -172,6 +172,7 @@ def run_cuda_infer(config, head: str | None, w: Workload) -> dict[str, Any]:
     model = None
     try:
         model, head = _model(config, head, w, "cuda", dtype)
+        fresh_peaks()  # int4 / int8: the half weights bitsandbytes quantised are gone; measure the serving step
         autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else None
         times = serve(model, prompts(model, head, w, "cuda", dtype), w, autocast=autocast)
         torch.cuda.synchronize()

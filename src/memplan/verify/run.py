@@ -286,6 +286,16 @@ def _is_moe(config) -> bool:
     return is_moe_config(config) and not family(model_type).moe_all_experts
 
 
+def fresh_peaks() -> None:
+    """Release what building the model left cached and restart the peak meters, so that they measure the step:
+    a model quantised after it is built (QLoRA, int4 / int8 serving) first held its half weights."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
              spec: ModelSpec | None = None) -> dict[str, Any]:
     """A real run on the GPU. Peak memory counts every step (the first creates the optimizer state);
@@ -297,6 +307,7 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
     model = optimizer = None
     try:
         model, head, optimizer, dtype = setup(config, head, w, "cuda", spec)
+        fresh_peaks()  # QLoRA: the half weights bitsandbytes quantised are gone; measure the step
         half = autocast_dtype(w)
         autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else None
         kernel_ctx = contextlib.nullcontext()
@@ -454,6 +465,12 @@ def read_plan(path: str, index: int) -> tuple[str, str, dict[str, Any]]:
     return model, est.get("gpu", ""), dict(est["workload"])
 
 
+def alloc_conf(env) -> str:
+    """The allocator settings torch reads: PYTORCH_ALLOC_CONF, else its older alias PYTORCH_CUDA_ALLOC_CONF
+    (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig::instance; pytorch/pytorch PR 167659)."""
+    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def check_allocator_mode(expandable: bool, alloc_conf: str) -> None:
     """A real run measures the allocator this process runs, which PYTORCH_CUDA_ALLOC_CONF fixes before CUDA
     starts: the plan's mode (--expandable-segments) must be that one, or the meters compare two allocators."""
@@ -501,7 +518,7 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         raise UserError("verify runs the single-GPU Trainer step; multi-GPU plans (data / tensor / pipeline "
                         "parallel, ZeRO, FSDP) are not verified yet")
     if device == "cuda":
-        check_allocator_mode(w.expandable_segments, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        check_allocator_mode(w.expandable_segments, alloc_conf(os.environ))
     config, head = resolve_config(model, head, trust_remote_code)
     note = {"cuda": f"real run on {torch.cuda.get_device_name() if device == 'cuda' else ''}",
             "cpu": "real run on the CPU with CUDA memory semantics (memplan.verify.cudasim), tensors counted",
