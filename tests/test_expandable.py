@@ -7,6 +7,7 @@ import pytest
 
 import memplan
 from memplan.emit import launch
+from memplan.verify.run import alloc_conf, check_allocator_mode
 
 KW = dict(seq_len=2048, precision="bf16", grad_ckpt="none", attn="sdpa", optim="adamw_torch_fused")
 GPU = "a100-40g"
@@ -60,10 +61,13 @@ def test_suggest_turns_it_on_only_where_it_makes_a_plan_fit(tmp_path):
     # the launch files export it before anything starts CUDA
     spec = memplan.resolve_model("llama-3.2-1b")
     section = launch.launch_section(s.plans[0], {"train.py"}, spec)
-    assert section["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # both names: torch 2.13 reads PYTORCH_ALLOC_CONF, older releases the alias (and verify accepts the run)
+    assert section["env"] == dict.fromkeys(("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True")
+    check_allocator_mode(True, alloc_conf(section["env"]))
     script = tmp_path / "launch.sh"
     script.write_text(launch.launch_script(section))
-    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in script.read_text()
+    for name in section["env"]:
+        assert f"export {name}=expandable_segments:True\n" in script.read_text()
     subprocess.run(["sh", "-n", str(script)], check=True)  # valid shell
     assert launch.launch_section(roomy.plans[0], {"train.py"}, spec)["env"] == {}
 

@@ -32,7 +32,10 @@ NOT_EXPRESSED = (
 )
 
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# the allocator settings' names: torch 2.13 reads PYTORCH_ALLOC_CONF first and its older alias only without it
+# (c10/core/AllocatorConfig.cpp; pytorch/pytorch PR 167659, which also warns the alias is deprecated); torch
+# 2.9.1 read only the alias for CUDA (pytorch/pytorch issue 183387). launch.sh sets both.
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def model_kwargs(plan) -> dict:
@@ -88,7 +91,7 @@ def launch_section(plan, files: set[str], spec: ModelSpec) -> dict:
         "not_expressed": [{"setting": name, "reason": why} for name, used, why in NOT_EXPRESSED if used(plan)],
         # the environment the command needs: the allocator mode the plan's memory was estimated under (it must be
         # set before CUDA initialises, so launch.sh exports it for the launcher and every rank it starts)
-        "env": {ALLOC_CONF: "expandable_segments:True"} if plan.workload.expandable_segments else {},
+        "env": dict.fromkeys(ALLOC_CONF, "expandable_segments:True") if plan.workload.expandable_segments else {},
         "command": command(plan, files),
     }
 
