@@ -44,8 +44,8 @@ FRAMEWORKS = {
 # the optimizer memplan prices for each published one (first matching substring): apex's FusedLAMB / FusedAdam
 # and Megatron's Adam are one multi-tensor kernel (fused AdamW's traffic; LAMB's trust-ratio norms are left out);
 # Composer's DecoupledAdamW, torchtitan's AdamW and BertAdam run foreach-like kernels per op (BertAdam, a Python
-# loop over the tensors, is no foreach step: foreach AdamW's traffic is memplan's nearest). A key matches a word
-# not negated by "un" ("unfused" is not "fused")
+# loop over the tensors, is no foreach step: foreach AdamW's traffic is memplan's nearest). A key matches a substring
+# not preceded by "un" ("unfused" is not "fused")
 OPTIMIZERS = (("8bit", "adamw_bnb_8bit"), ("adafactor", "adafactor"), ("lamb", "adamw_torch_fused"),
               ("fused", "adamw_torch_fused"), ("megatron", "adamw_torch_fused"), ("deepspeed", "adamw_torch_fused"),
               ("adam", "adamw_torch"))
