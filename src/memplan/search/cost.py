@@ -50,8 +50,8 @@ class Generation(NamedTuple):
 # Fitted by `python benchmarks/throughput/compare.py --fit` on benchmarks/throughput/published_runs.json
 # (docs/cost-model.md); keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
 GENERATIONS: dict[int, Generation] = {
-    7: Generation(matmul=0.677, matmul_fp32=0.707, attention=0.3, bandwidth=0.931, launch_s=2.59e-05),
-    8: Generation(matmul=0.76, matmul_fp32=0.85, attention=0.231, bandwidth=0.915, launch_s=6e-06),
+    7: Generation(matmul=0.817, matmul_fp32=0.672, attention=0.3, bandwidth=0.787, launch_s=1.68e-05),
+    8: Generation(matmul=0.758, matmul_fp32=0.85, attention=0.219, bandwidth=0.915, launch_s=6e-06),
     9: Generation(matmul=0.58, matmul_fp32=0.85, attention=0.16, bandwidth=0.655, launch_s=5e-06),
 }
 
@@ -276,6 +276,15 @@ def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flo
                else _gemm_seconds(g, tokens, flops_s, bytes_s, width, gen.launch_s) * fwd for g in o.layer_gemms)
 
 
+def _cast_launches(o: ops.StepOps, prec, forward_only: bool, casts: bool) -> float:
+    """autocast's cast kernels per micro batch: each forward's (the weights' not in a decode step, whose cache
+    holds them), and as many in backward (each cast's gradient cast back)."""
+    if not prec.autocast:
+        return 0.0
+    per_forward = o.weight_casts * casts + o.input_casts
+    return per_forward if forward_only else per_forward * (o.forward_passes + 1)
+
+
 def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: float,
                   pp: int = 1, forward_only: bool = False, casts: bool = True,
                   head_tokens: np.ndarray | None = None, weights: str | None = None) -> np.ndarray:
@@ -299,7 +308,8 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
     core = core + o.score_moves * seq * prec.residual * tokens * share / bytes_s
     elementwise = (o.stream_moves * prec.residual + o.act_moves * prec.act) * tokens * share / bytes_s
     layers = (gemms + np.maximum(core, o.core_kernels * fwd * gen.launch_s)
-              + np.maximum(elementwise, o.elementwise_kernels * fwd * gen.launch_s))
+              + np.maximum(elementwise, (o.elementwise_kernels * fwd + _cast_launches(o, prec, forward_only, casts))
+                           * gen.launch_s))
     # per micro batch: the casts and the dequantisation run in forward (and dequantisation again in backward)
     per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * (prec.autocast and casts)
                  + o.quant_params * (1 if forward_only else 2) * ops.DEQUANT_BYTES

@@ -51,6 +51,8 @@ DEQUANT_BYTES = 2.5
 # a HF layer is ~15-25 ops; backward launches about twice as many
 LAYER_KERNELS = 20
 EAGER_KERNELS = 6  # the eager core: two matmuls, scale, mask, softmax, cast (fused kernels: 1)
+# under autocast, eager attention's half scores are cast to fp32 for softmax and its output back for the PV matmul
+AUTOCAST_EAGER_CASTS = 2
 
 
 # 2-D parameters of these categories are matmul weights even without a module type (megatron_gpt's table, routers)
@@ -83,6 +85,11 @@ class StepOps(NamedTuple):
     core_kernels: float  # the attention core's kernel launches, all layers, forward + backward (+ recompute)
     elementwise_kernels: float  # the layers' other non-GEMM kernel launches, likewise
     layers: int
+    # autocast's cast kernels in one forward of all layers (AUTOCAST_CASTS): of the fp32 weights and biases, and
+    # of the fp32 activations entering half ops; forward_passes: forwards per micro batch (2 under full recompute)
+    weight_casts: float = 0.0
+    input_casts: float = 0.0
+    forward_passes: int = 1
 
 
 class OpsKey(NamedTuple):
@@ -150,6 +157,7 @@ def step_ops(key: OpsKey) -> StepOps:
     again = 1 + FORWARD_SHARE * full
     fused = key.attn != "eager"
     scores = 0 if fused else heads * L * (EAGER_SCORE_MOVES + (DROPOUT_MOVES if spec.attention_dropout else 0))
+    weight_casts, input_casts = autocast_casts(params, L, fused)
     return StepOps(tuple(layer), tuple(head), (3 + core_again) * attn_fwd, fused,
                    scores * (1 + FORWARD_SHARE * core_again), _stream_moves(spec, key) * L * again,
                    _act_moves(spec, tp) * L * again,
@@ -157,7 +165,20 @@ def step_ops(key: OpsKey) -> StepOps:
                    sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full),
                    sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full),
                    _embed_grad(spec, params),
-                   L * (3 + full) * (1 if fused else EAGER_KERNELS), L * (3 + full) * LAYER_KERNELS, L)
+                   L * (3 + full) * (1 if fused else EAGER_KERNELS), L * (3 + full) * LAYER_KERNELS, L,
+                   weight_casts, input_casts, 1 + full)
+
+
+def autocast_casts(params, L: int, fused: bool) -> tuple[float, float]:
+    """Cast kernels autocast launches in one forward of the layers: one per fp32 weight and bias of a linear
+    (torch.autocast casts a leaf once per forward, its cache cleared on exit), and one per fp32 activation entering
+    a half op: the input of each linear that reads a norm's fp32 output (all but the attention's output and the
+    MLP's down projection), and under eager attention the scores up to softmax's fp32 and its output back (ATen's
+    autocast lists: layer_norm and softmax run in fp32, linear and matmul in half)."""
+    linear = ("attention", "mlp", "experts", "router")
+    weights = sum(g.count for g in params if g.category in linear and (g.weight_of or len(g.shape) == 1))
+    per_layer = sum(g.count for g in params if g.category in linear and g.weight_of) / max(L, 1)
+    return float(weights), L * (max(per_layer - 2, 0) + (0 if fused else AUTOCAST_EAGER_CASTS))
 
 
 def attention_forward_flops(spec: ModelSpec, attn: str, tp: int = 1) -> float:
