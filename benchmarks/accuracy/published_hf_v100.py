@@ -1,0 +1,63 @@
+"""The nine GPU-memory readings of the transformers docs' "Efficient Training on a Single GPU" (bert-large on a
+V100 16 GB, HF Trainer, early 2022) against memplan's device used, from the segment arithmetic (the meter) and
+from the replay of the estimate's own allocations through the allocator simulation plus the CUDA context.
+
+    python benchmarks/accuracy/published_hf_v100.py
+
+The runs, their setup and their meter are in published_hf_v100.json; the first is the calibration point of
+docs/contract.md. Nothing here is fitted. Writes results/published-hf-v100.json and .md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+
+def predictions(spec: dict) -> list[dict]:
+    """Each run's measured NVML used beside the arithmetic's and the replay's device used, in MiB."""
+    from memplan import api
+
+    rows = []
+    for run in spec["runs"]:
+        e = api.estimate(**(spec["common"] | run["workload"]), simulate=True)
+        replay = e.by_allocator["default"]["simulated_reserved_bytes"] + e.breakdown["cuda_context"]
+        rows.append({"name": run["name"], "measured_mib": run["mib"], "arithmetic_mib": e.device_used_bytes / MiB,
+                     "replay_mib": replay / MiB, "allocated_mib": e.peak_allocated_bytes / MiB})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def err(r, k):
+        return 100 * (r[k] / r["measured_mib"] - 1)
+
+    lines = ["# HF docs' V100 memory readings against memplan", "",
+             "`python benchmarks/accuracy/published_hf_v100.py` (runs and setup: published_hf_v100.json)", "",
+             "| run | NVML MiB | arithmetic MiB | error | replay MiB | error |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['measured_mib']:,} | {r['arithmetic_mib']:,.0f} | {err(r, 'arithmetic_mib'):+.1f} % "
+              f"| {r['replay_mib']:,.0f} | {err(r, 'replay_mib'):+.1f} % |" for r in rows]
+    for k, name in (("arithmetic_mib", "arithmetic"), ("replay_mib", "replay")):
+        errs = [err(r, k) for r in rows]
+        lines.append(f"\n{name}: median |error| {statistics.median(map(abs, errs)):.1f} %, from {min(errs):+.1f} "
+                     f"to {max(errs):+.1f} %")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    spec = json.loads((HERE / "published_hf_v100.json").read_text())
+    rows = predictions(spec)
+    out = HERE / "results" / "published-hf-v100"
+    out.with_suffix(".json").write_text(json.dumps({"command": "python benchmarks/accuracy/published_hf_v100.py",
+                                                    "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(table(rows))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
