@@ -89,6 +89,10 @@ def test_quantised_serving_keeps_fused_experts_half():
     attention = sum(g.total for g in spec.params if g.category == "attention" and g.weight_of == "Linear")
     assert w4 == pytest.approx(half - attention * (2 - (0.5 + 4 / 64)), rel=0.001)
     assert w4 > 0.95 * half
+    e = memplan.estimate(spec, "h200-141g", task="infer", precision="int4")
+    assert any("fused experts" in n and "stay half" in n for n in e.notes)
+    assert not any("fused experts" in n for n in memplan.estimate("llama-3.1-8b", "h200-141g", task="infer",
+                                                                  precision="int4").notes)
 
 
 def test_a_4bit_prefill_holds_the_weight_bitsandbytes_dequantises():

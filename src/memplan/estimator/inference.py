@@ -93,6 +93,15 @@ def dequantised_copy(spec: ModelSpec, fmt: WeightFormat, rows: int) -> int:
     return HALF * max((g.numel for g in spec.params if g.category == "mlp" and quantised(spec, g)), default=0)
 
 
+def _half_experts_note(spec: ModelSpec, fmt: WeightFormat) -> list[str]:
+    """bitsandbytes weights: say so where a MoE layer's fused experts stay half (weight_bytes)."""
+    half = sum(g.total for g in spec.params if g.category == "experts" and not quantised(spec, g))
+    if fmt.name not in ("int8", "int4") or not half:
+        return []
+    return [f"--precision {fmt.name}: transformers converts nn.Linear layers to bitsandbytes; the fused experts "
+            f"({half / 1e9:.1f} B parameters) are not Linear modules and stay half ({half * fmt.other / 2**30:.1f} GiB)"]
+
+
 def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
     """(all, head, MLP) half copies autocast keeps of the fp32 weights while serving (states.autocast_copies);
     only the head's where the layers' casts are not cached (Falcon: families.Family.autocast_caches_layer_weights)."""
@@ -153,7 +162,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     c, kv, work_ts = moments[peak_moment]
     peak_phase = "decode" if peak_moment == "decode" else "prefill"
     phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | ({"decode": sums["decode"]} if generate else {})
-    notes = [f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []
+    notes = ([f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []) + _half_experts_note(spec, fmt)
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])
