@@ -797,9 +797,8 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
 def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool,
                    dequant: int = 0) -> list[Tensors]:
     """A layer's MLP under no_grad: the residual stream held four times (three post-norm) and the MLP's
-    intermediates, or, with a dequantised weight, the down projection's input and output beside that half copy
-    (its matmul runs on it: bitsandbytes' dequantise + F.linear); a MoE layer's permuted tokens and the larger of
-    its gate_up and its combine moments."""
+    intermediates, or, with a dequantised weight, each projection beside the half copy its matmul runs on
+    (_dequant_moments); a MoE layer's permuted tokens and the larger of its gate_up and its combine moments."""
     fam, h = family(spec.model_type), spec.hidden_size
     f, f_tok = spec.intermediate_size, T
     # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output

@@ -95,6 +95,7 @@ UNSCALE_MOVES = 2
 # AccumulateGrad adds each later micro batch's weight gradients into .grad: read 2, write 1
 ACCUMULATE_MOVES = 3
 
+
 class QuantKernels(NamedTuple):
     """How bitsandbytes 0.50.2 runs one quantised linear without autograd (serving): bytes per weight element and
     per element of the input (M x K) and output (M x N) rows."""

@@ -85,7 +85,7 @@ class StepOps(NamedTuple):
     core_kernels: float  # the attention core's kernel launches, all layers, forward + backward (+ recompute)
     elementwise_kernels: float  # the layers' other non-GEMM kernel launches, likewise
     layers: int
-    # autocast's cast kernels in one forward of all layers (AUTOCAST_CASTS): of the fp32 weights and biases, and
+    # autocast's cast kernels in one forward of all layers (autocast_casts): of the fp32 weights and biases, and
     # of the fp32 activations entering half ops; forward_passes: forwards per micro batch (2 under full recompute)
     weight_casts: float = 0.0
     input_casts: float = 0.0

@@ -25,9 +25,9 @@ from typing import Any
 from memplan.errors import UserError
 from memplan.estimator.rules import WEIGHT_FORMATS
 from memplan.inputs.workload import Workload
+from memplan.search.cost import SERVING_KERNELS
 
-
-QUANTISED = ("int8", "int4")
+QUANTISED = tuple(SERVING_KERNELS)  # the bitsandbytes weight formats: int8, int4
 
 
 def weight_dtype(w: Workload):
@@ -168,7 +168,6 @@ def run_cuda_infer(config, head: str | None, w: Workload) -> dict[str, Any]:
 
     dtype, half = weight_dtype(w)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     model = None
     try:
         model, head = _model(config, head, w, "cuda", dtype)

@@ -303,7 +303,6 @@ def run_cuda(config, head: str | None, w: Workload, steps: int, on_phase=None,
     import torch
 
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     model = optimizer = None
     try:
         model, head, optimizer, dtype = setup(config, head, w, "cuda", spec)
@@ -471,16 +470,17 @@ def alloc_conf(env) -> str:
     return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
-def check_allocator_mode(expandable: bool, alloc_conf: str) -> None:
-    """A real run measures the allocator this process runs, which PYTORCH_CUDA_ALLOC_CONF fixes before CUDA
-    starts: the plan's mode (--expandable-segments) must be that one, or the meters compare two allocators."""
-    running = "expandable_segments:true" in alloc_conf.replace(" ", "").lower()
+def check_allocator_mode(expandable: bool, conf: str) -> None:
+    """A real run measures the allocator this process runs, which its allocator settings (`conf`: alloc_conf)
+    fix before CUDA starts: the plan's mode (--expandable-segments) must be that one, or the meters compare two
+    allocators."""
+    running = "expandable_segments:true" in conf.replace(" ", "").lower()
     if expandable != running:
         raise UserError("--device cuda: the plan's allocator mode is " + (
             "expandable segments, but this process runs the default allocator (start it with "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)" if expandable else
-            "the default, but PYTORCH_CUDA_ALLOC_CONF sets expandable segments (add --expandable-segments, or "
-            "unset it)"))
+            "PYTORCH_ALLOC_CONF=expandable_segments:True)" if expandable else
+            "the default, but PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF set expandable segments (add "
+            "--expandable-segments, or unset them)"))
 
 
 def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_remote_code: bool = False,
