@@ -303,7 +303,7 @@ def supported_attn(spec: ModelSpec) -> tuple[str, ...]:
     """The attention implementations of this model; memplan's tiled attention last (kernels/attention.py), where
     every layer attends causally to all keys: a sliding-window or chunked layer's mask is a pattern the tiled
     kernels do not express, so kernels/attention.py falls back to the eager computation (hf_mask's 4-D mask),
-    which keeps the scores it would save: the mistral-small accuracy config traced 35 % over the tiled estimate
+    which keeps the scores it would save: the mistral-small accuracy config traced 54 % over the tiled estimate
     (`memplan verify --model benchmarks/accuracy/configs/mistral-small.json --gpu a100-80g --device fake -b 2
     --seq-len 1024 --precision bf16 --attn memplan --kernels --tiled-mlp`, before the refusal)."""
     fam = family(spec.model_type)
