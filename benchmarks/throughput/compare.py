@@ -86,7 +86,7 @@ def _excluded(run) -> str | None:
 def _spec(run):
     m = run["model"]
     if "catalog" in m:
-        return memplan.resolve_model(m["catalog"])
+        return memplan.resolve_model(m["catalog"], head=m.get("head"))
     g = m["gpt"]
     return megatron_gpt(g["layers"], g["hidden"], g["heads"], g.get("vocab") or 51200, max(run["seq_len"], 2048))
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from memplan.estimator.families import family
 from memplan.estimator.parallel import ds_buckets, fetch_unit
-from memplan.estimator.states import layout_params
+from memplan.estimator.states import activation_precision, layout_params
 from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
@@ -49,12 +49,14 @@ class Generation(NamedTuple):
 # search/cost.py and operators.py under de50d55's compare.py; docs/cost-model.md).
 # Fitted by `python benchmarks/throughput/compare.py --fit` on benchmarks/throughput/published_runs.json
 # (docs/cost-model.md); keyed by compute capability major (7: Volta / Turing, 8: Ampere / Ada, 9: Hopper and later).
-# Ampere's launch_s stays at 6 us: the runs hardly constrain it (its last refit wandered to 21 us for a loss of
-# 0.0281 against 0.0284), and moving it would reorder A100 plans on no evidence.
+# Two constants the runs hardly constrain stay where they were, as moving them would reorder plans on no evidence:
+# Ampere's launch_s at 6 us (2d2b460's refit wandered to 21 us for a loss of 0.0281 against 0.0284) and Hopper's
+# bandwidth at 0.655 (the last refit took it to 0.471 for 0.0265 against 0.0266; serving's decode steps, which
+# the training runs do not measure, are priced by it).
 GENERATIONS: dict[int, Generation] = {
-    7: Generation(matmul=0.817, matmul_fp32=0.672, attention=0.3, bandwidth=0.787, launch_s=1.68e-05),
-    8: Generation(matmul=0.758, matmul_fp32=0.85, attention=0.219, bandwidth=0.915, launch_s=6e-06),
-    9: Generation(matmul=0.58, matmul_fp32=0.85, attention=0.16, bandwidth=0.655, launch_s=5e-06),
+    7: Generation(matmul=0.858, matmul_fp32=0.706, attention=0.3, bandwidth=0.748, launch_s=1.52e-05),
+    8: Generation(matmul=0.72, matmul_fp32=0.85, attention=0.23, bandwidth=0.869, launch_s=6e-06),
+    9: Generation(matmul=0.579, matmul_fp32=0.85, attention=0.16, bandwidth=0.655, launch_s=5e-06),
 }
 
 
@@ -134,8 +136,8 @@ SERVING_KERNELS = {
 }
 
 
-COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp16-pure": "fp16",
-                 "int8": "fp16", "int4": "fp16"}
+# the GEMMs' dtype of each precision row (bitsandbytes' serving weights run half GEMMs)
+COMPUTE_DTYPE = {name: p.half or "fp32" for name, p in PRECISIONS.items()} | {"int8": "fp16", "int4": "fp16"}
 
 
 class Throughput(NamedTuple):
@@ -284,8 +286,13 @@ def _cast_launches(o: ops.StepOps, prec, forward_only: bool, casts: bool) -> flo
     holds them), and as many in backward (each cast's gradient cast back)."""
     if not prec.autocast:
         return 0.0
-    per_forward = o.weight_casts * casts + o.input_casts
+    per_forward = o.weight_casts * _casts_weights(prec, casts) + o.input_casts
     return per_forward if forward_only else per_forward * (o.forward_passes + 1)
+
+
+def _casts_weights(prec, casts: bool) -> bool:
+    """autocast casts the weights only when they are fp32 (torch.autocast passes a half tensor as it is)."""
+    return prec.autocast and prec.param == FP32 and casts
 
 
 def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: float,
@@ -314,7 +321,7 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
               + np.maximum(elementwise, (o.elementwise_kernels * fwd + _cast_launches(o, prec, forward_only, casts))
                            * gen.launch_s))
     # per micro batch: the casts and the dequantisation run in forward (and dequantisation again in backward)
-    per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * (prec.autocast and casts)
+    per_batch = (o.cast_params * ops.AUTOCAST_CAST_BYTES * _casts_weights(prec, casts)
                  + o.quant_params * (1 if forward_only else 2) * ops.DEQUANT_BYTES
                  + o.embed_grad * ops.EMBED_GRAD_MOVES * prec.grad * (not forward_only)) / bytes_s
     at_head = tokens if head_tokens is None else head_tokens
@@ -336,9 +343,11 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     priced: dict[tuple, np.ndarray] = {}  # one row per workload, few distinct settings
     rows = []
     for w in bases:
-        key = (ops.OpsKey.of(spec, w), w.precision)
+        # the widths and casts the activations really have, as the memory side sees them: DeepSpeed trains a half
+        # model without autocast, FSDP and LoRA autocast over half weights (states.activation_precision)
+        key = (ops.OpsKey.of(spec, w), activation_precision(spec, w).name)
         if key not in priced:
-            priced[key] = micro_seconds(ops.step_ops(key[0]), gpu, w.precision, tokens_k, seq, w.pp)
+            priced[key] = micro_seconds(ops.step_ops(key[0]), gpu, key[1], tokens_k, seq, w.pp)
         rows.append(priced[key])
     micro = np.stack(rows)
     vpp = _col([w.vpp for w in bases])
