@@ -170,7 +170,8 @@ def test_every_kernel_is_no_faster_than_its_launch():
 def test_micro_batches_price_the_precision_the_activations_have():
     """DeepSpeed trains a half model without autocast, so a ZeRO bf16 step's micro batch costs what bf16-pure's
     does (no casts, a half residual stream); FSDP autocasts over half weights: casts of the norms' fp32 outputs,
-    none of the weights; DDP under autocast pays both (states.activation_precision is the one rule)."""
+    none of the weights but LoRA's fp32 adapters; DDP under autocast pays both (states.activation_precision is
+    the one rule)."""
     spec = memplan.resolve_model("llama-3.2-1b")
     gpu = memplan.load_gpu("a100-80g")
 
@@ -186,6 +187,11 @@ def test_micro_batches_price_the_precision_the_activations_have():
     o = ops.step_ops(ops.OpsKey.of(spec, Workload(attn="sdpa")))
     casts = [cost._cast_launches(o, PRECISIONS[p], False, True) for p in ("bf16", "bf16-halfbase", "bf16-pure")]
     assert casts == [(o.weight_casts + o.input_casts) * 2, o.input_casts * 2, 0.0]
+    # LoRA over a half base: autocast casts the fp32 adapters (q_proj and v_proj: A and B), not the half base
+    lo = ops.step_ops(ops.OpsKey.of(spec, Workload(attn="sdpa", method="lora", precision="bf16")))
+    assert lo.weight_casts == 0 and lo.fp32_weight_casts == spec.num_layers * 2 * 2
+    assert cost._cast_launches(lo, PRECISIONS["bf16-halfbase"], False, True) == (lo.fp32_weight_casts
+                                                                                  + lo.input_casts) * 2
 
 
 # -- serving: generate's decode steps ----------------------------------------------------------------------------

@@ -286,7 +286,7 @@ def _cast_launches(o: ops.StepOps, prec, forward_only: bool, casts: bool) -> flo
     holds them), and as many in backward (each cast's gradient cast back)."""
     if not prec.autocast:
         return 0.0
-    per_forward = o.weight_casts * _casts_weights(prec, casts) + o.input_casts
+    per_forward = o.weight_casts * _casts_weights(prec, casts) + o.fp32_weight_casts * casts + o.input_casts
     return per_forward if forward_only else per_forward * (o.forward_passes + 1)
 
 

@@ -85,11 +85,14 @@ class StepOps(NamedTuple):
     core_kernels: float  # the attention core's kernel launches, all layers, forward + backward (+ recompute)
     elementwise_kernels: float  # the layers' other non-GEMM kernel launches, likewise
     layers: int
-    # autocast's cast kernels in one forward of all layers (autocast_casts): of the fp32 weights and biases, and
-    # of the fp32 activations entering half ops; forward_passes: forwards per micro batch (2 under full recompute)
+    # autocast's cast kernels in one forward of all layers (autocast_casts): of the weights and biases stored in
+    # the precision's parameter width (fp32 under autocast over an fp32 model), of those stored in fp32 whatever
+    # the precision (LoRA's adapters), and of the fp32 activations entering half ops; forward_passes: forwards per
+    # micro batch (2 under full recompute)
     weight_casts: float = 0.0
     input_casts: float = 0.0
     forward_passes: int = 1
+    fp32_weight_casts: float = 0.0
 
 
 class OpsKey(NamedTuple):
@@ -157,7 +160,7 @@ def step_ops(key: OpsKey) -> StepOps:
     again = 1 + FORWARD_SHARE * full
     fused = key.attn != "eager"
     scores = 0 if fused else heads * L * (EAGER_SCORE_MOVES + (DROPOUT_MOVES if spec.attention_dropout else 0))
-    weight_casts, input_casts = autocast_casts(params, L, fused)
+    weight_casts, fp32_casts, input_casts = autocast_casts(params, L, fused)
     return StepOps(tuple(layer), tuple(head), (3 + core_again) * attn_fwd, fused,
                    scores * (1 + FORWARD_SHARE * core_again), _stream_moves(spec, key) * L * again,
                    _act_moves(spec, tp) * L * again,
@@ -166,19 +169,24 @@ def step_ops(key: OpsKey) -> StepOps:
                    sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full),
                    _embed_grad(spec, params),
                    L * (3 + full) * (1 if fused else EAGER_KERNELS), L * (3 + full) * LAYER_KERNELS, L,
-                   weight_casts, input_casts, 1 + full)
+                   weight_casts, input_casts, 1 + full, fp32_casts)
 
 
-def autocast_casts(params, L: int, fused: bool) -> tuple[float, float]:
+def autocast_casts(params, L: int, fused: bool) -> tuple[float, float, float]:
     """Cast kernels autocast launches in one forward of the layers: one per fp32 weight and bias of a linear
     (torch.autocast casts a leaf once per forward, its cache cleared on exit), and one per fp32 activation entering
     a half op: the input of each linear that reads a norm's fp32 output (all but the attention's output and the
     MLP's down projection), and under eager attention the scores up to softmax's fp32 and its output back (ATen's
-    autocast lists: layer_norm and softmax run in fp32, linear and matmul in half)."""
-    linear = ("attention", "mlp", "experts", "router")
-    weights = sum(g.count for g in params if g.category in linear and (g.weight_of or len(g.shape) == 1))
-    per_layer = sum(g.count for g in params if g.category in linear and g.weight_of) / max(L, 1)
-    return float(weights), L * (max(per_layer - 2, 0) + (0 if fused else AUTOCAST_EAGER_CASTS))
+    autocast lists: layer_norm and softmax run in fp32, linear and matmul in half). The weights as (stored in the
+    precision's parameter width, stored in fp32: LoRA's adapters); bitsandbytes' and half-loaded bases are none."""
+    linear = ("attention", "mlp", "experts", "router", "adapter")
+
+    def weights(store: str) -> float:
+        return float(sum(g.count for g in params if g.category in linear and g.store == store
+                         and (g.weight_of or len(g.shape) == 1)))
+
+    per_layer = sum(g.count for g in params if g.category in linear[:-1] and g.weight_of) / max(L, 1)
+    return weights("model"), weights("fp32"), L * (max(per_layer - 2, 0) + (0 if fused else AUTOCAST_EAGER_CASTS))
 
 
 def attention_forward_flops(spec: ModelSpec, attn: str, tp: int = 1) -> float:
