@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import memplan
 from memplan.estimator import step as estimator
@@ -58,6 +58,26 @@ def test_autocast_keeps_half_copies_until_backward():
     assert fp32.breakdown["autocast_cache"] == 0
     # linear weights + the tied LM head, 2 bytes each
     assert amp.breakdown["autocast_cache"] > 1.9 * (amp.model.params_total - 1024 * 1024)
+
+
+def test_the_last_layers_backward_holds_the_other_layers_gradients():
+    """Full checkpointing with set-to-none gradients: when backward reaches the first block, the other 23 layers'
+    weight gradients exist and their held inputs are gone, so the step peaks there. Against the trace, while memplan
+    stopped at the first layer's backward: this bert-large -2.2 %, ELECTRA-small -5.2 %, XLM-RoBERTa-small -4.3 %."""
+    spec = memplan.resolve_model("bert-large")
+    e = memplan.estimate(spec, "a100-80g", micro_batch=8, seq_len=512, precision="bf16", grad_ckpt="full")
+    assert e.peak_phase == "backward-last-layer"
+    by = spec.params_by_category()
+    layers = sum(n for c, n in by.items() if c not in ("embeddings", "head"))
+    grads = e.breakdown["gradients"]
+    assert 4 * (layers * 23 / 24 + by["head"]) <= grads < 4 * (layers + by["head"])  # fp32 gradients, no embeddings'
+    assert e.phases["backward-last-layer"] > e.phases["backward-layer"]
+    # one casts' set left (the first block's) of the 24 the first layer's backward held
+    assert e.breakdown["autocast_cache"] < 2 * layers / 20
+    # gradients alive through forward (accumulation): every moment has them, the first layer's backward is higher
+    acc = memplan.estimate(spec, "a100-80g", micro_batch=8, grad_accum=2, seq_len=512, precision="bf16",
+                           grad_ckpt="full")
+    assert acc.phases["backward-last-layer"] < acc.phases["backward-layer"]
 
 
 def test_large_vocab_logits_dominate_llama3():
@@ -187,11 +207,15 @@ def test_longer_sequence_never_needs_less(cfg, ds):
 
 @settings(max_examples=60, deadline=None)
 @given(**train_cfg)
+@example(cfg={"model": "llama-3.2-1b", "precision": "fp16", "attn": "flash", "optim": "adamw_torch_fused",
+              "ckpt": "none", "b": 1, "s": 1})  # the last layer's backward is both steps' peak
 def test_checkpointing_never_increases_memory(cfg):
     none = _est(cfg, ckpt="none")
     full = _est(cfg, ckpt="full")
     assert full.peak_allocated_bytes <= none.peak_allocated_bytes
-    assert full.device_used_bytes <= none.device_used_bytes
+    # at the last layer's backward full checkpointing holds the first block's input beside its recomputed tensors,
+    # which the plain step may have freed: a few KiB at one token, a 2 MiB segment for the segment arithmetic
+    assert full.device_used_bytes <= none.device_used_bytes + 4 * 2**20
 
 
 def test_activation_terms_are_affine_in_the_micro_batch():

@@ -141,6 +141,7 @@ class StageStates(NamedTuple):
     grad_dec: int
     frozen_enc: int = 0  # freeze: frozen blocks autograd records (a frozen block's activations)
     frozen_dec: int = 0
+    layer_grads: int = 0  # one replica's gradients of its layers' weights (neither the embeddings' nor the head's)
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -204,10 +205,12 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     comm = grads if k.dp > 1 else 0  # DDP buckets: a second copy of every gradient (gradient_as_bucket_view=False)
     kept = [g for g in groups if cast_kept(k.spec, k.tuning, g)]
     copies = autocast_copies(kept, tied_cast, prec) if prec.autocast else (0, 0, 0)
+    layer_grads = rounded(tuple(g for g in trainable if g.category not in ("embeddings", "head")),
+                          lambda g: g.numel * element_bytes(g, prec.grad))
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
                        _head_grads(groups, tied, prec.grad), segments_of(_persistent_tensors(k, groups)),
-                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec))
+                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec), layer_grads)
 
 
 def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int, int, int]:

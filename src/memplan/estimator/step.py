@@ -6,6 +6,9 @@ A training step is a sequence of moments; the peak is the largest of them (docs/
   forward-loss    weights + states + autocast copies + saved activations + logits while the loss runs
   backward-start  ... + the loss gradient chain (dL/dlogp, dL/dlogits in fp32)
   backward-layer  ... + the head's gradients + one layer's grad buffers (+ its recompute under checkpointing)
+  backward-last-layer  the last layer backward runs (the first block): the other layers' saved activations are
+                  freed and their weight gradients made (set-to-none, one micro batch); under full checkpointing
+                  or at small batches the gradients outweigh what was freed
   optimizer-step  weights + gradients + states + the optimizer's temporaries
   backward-end    (tied heads) weights + gradients + states + the tied matrix's two gradients being summed
 States count from the second step on (created lazily by the first step()), which is the steady state.
@@ -35,17 +38,19 @@ from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
 from memplan.search import cost
 
-PHASES = ("forward-loss", "backward-start", "backward-layer", "optimizer-step", "backward-end")
-FORWARD_LOSS, BACKWARD_START, BACKWARD_LAYER, OPTIMIZER_STEP, BACKWARD_END = range(len(PHASES))
+PHASES = ("forward-loss", "backward-start", "backward-layer", "backward-last-layer", "optimizer-step", "backward-end")
+FORWARD_LOSS, BACKWARD_START, BACKWARD_LAYER, BACKWARD_LAST, OPTIMIZER_STEP, BACKWARD_END = range(len(PHASES))
 # the activation lists alive at a moment besides the saved ones (none at the optimizer step)
-MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BACKWARD_LAYER: "layer_backward"}
+MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BACKWARD_LAYER: "layer_backward",
+               BACKWARD_LAST: "layer_backward"}
+LAYER_BACKWARD = (BACKWARD_LAYER, BACKWARD_LAST)
 # the per-layer activation lists, one set per layer and micro batch held (StageCells.held)
 HELD_LISTS = ("layer", "decoder_layer", "frozen_layer", "frozen_decoder_layer")
 
 
 # -- one pipeline stage over the table -------------------------------------------------------------
 class StageCells(NamedTuple):
-    """One pipeline stage's byte counts at every cell: (B, K) arrays, phases and transients (5, B, K)."""
+    """One pipeline stage's byte counts at every cell: (B, K) arrays, phases and transients (6, B, K)."""
 
     phases: np.ndarray
     transient: np.ndarray
@@ -63,13 +68,17 @@ class StageCells(NamedTuple):
     c_all: np.ndarray  # autocast's half copies in forward
     c_bwd: np.ndarray  # ... and those alive in backward
     c_start: np.ndarray  # ... and at its start (full checkpointing: the head's only)
+    c_last: np.ndarray  # ... and at the last layer's backward (the first block's)
     acts: np.ndarray  # saved activations of the micro batches in flight
+    acts_last: np.ndarray  # ... at the last layer's backward: the current micro batch's first block and embeddings
+    g_done: np.ndarray  # gradients made by then beyond g_live: the head's and the other layers'
     lsm: np.ndarray  # the loss's saved log-softmax output (freed in the last layer's backward)
     cpu: np.ndarray
     n_params: np.ndarray
     persistent: np.ndarray  # the persistent tensors' segments
     flight: np.ndarray  # micro batches in flight (float: the interleaved schedule's average)
     held: np.ndarray  # (4, B, K) per-layer activation sets held, layers x micro batches in flight, by HELD list
+    held_last: np.ndarray  # (4, B, K) ... at the last layer's backward
     n_layers: int
 
 
@@ -134,28 +143,67 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     # head's (its matmul saved it) is left until a layer's recomputation casts that layer's again (traced: the
     # autocast_cache gap of every bf16 full-checkpoint case, e.g. GLM-4-MoE +5 MiB of 207)
     c_start = np.where(full, c_head, c_bwd)
+    # at the last layer's backward every other layer's backward has freed the casts its matmuls saved, and the head's
+    # too: the first block's are left (under full checkpointing, those its recomputation made)
+    c_last = (c_all - c_head - np.where(tiled & ~full, c_mlp, 0)) // max(n_layers, 1)
     c_mlp_layer = np.where(tiled & ~full, c_mlp // max(n_layers, 1), 0)
     grads_in_fwd = zeros | (ms > 1)[None, :] | st["grads_persistent"].astype(bool)
     g_live = np.where(grads_in_fwd, st["grads"], 0)
     g_head = np.where(grads_in_fwd, 0, st["head_grads"])
     layer_bwd = recompute + sa["layer_backward"] + c_mlp_layer
     tied_sum = _tied_sums(spec, bases, st, grads_in_fwd)
+    held = np.maximum(1, np.round(flight)).astype(np.int64)
+    per_mb = np.stack([n_enc, n_dec, f_enc, f_dec]).astype(np.int64)  # one micro batch's layer sets, by HELD list
+    first_block = _first_block(per_mb)
+    sets = per_mb * held
+    acts_last, g_done = _last_layer(sa, per_mb, first_block, full, acts, g_head, st, grads_in_fwd)
     base = st["weights"] + st["states"] + g_live + st["comm"] + st["gathered"]
     after_backward = st["weights"] + st["states"] + st["grads"] + st["comm"]
     phases = np.stack([
         base + c_all + acts + sa["loss_forward"],
         base + c_start + acts + sa["loss_backward"],
         base + c_bwd + acts - sa["lsm"] + g_head + layer_bwd,
+        np.where(per_mb.sum(axis=0) > 1, base + c_last + acts_last + g_done + layer_bwd, -1),
         after_backward + st["temp"],
         np.where(tied_sum > 0, after_backward + tied_sum, -1),
     ])
-    transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, np.zeros((B, K), np.int64), tied_sum])
-    held = np.maximum(1, np.round(flight)).astype(np.int64)
-    sets = np.stack([n_enc * held, n_dec * held, f_enc * held, f_dec * held]).astype(np.int64)
+    zero = np.zeros((B, K), np.int64)
+    transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, layer_bwd, zero, tied_sum])
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
-                      c_start, acts, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"], flight, sets,
-                      n_layers)
+                      c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"],
+                      flight, sets, sets - per_mb + first_block, n_layers)
+
+
+def _first_block(per_mb: np.ndarray) -> np.ndarray:
+    """(4, B, K) one-hot of the HELD list of the block backward reaches last: the first recorded one (a frozen
+    block before the trained ones under freeze; an encoder layer before a decoder's)."""
+    order = (2, 0, 3, 1)  # frozen encoder, encoder (or decoder-only), frozen decoder, decoder
+    out = np.zeros_like(per_mb)
+    taken = np.zeros(per_mb.shape[1:], bool)
+    for i in order:
+        here = (per_mb[i] > 0) & ~taken
+        out[i] = here
+        taken |= here
+    return out
+
+
+def _last_layer(sa: dict, per_mb: np.ndarray, first_block: np.ndarray, full: np.ndarray, acts: np.ndarray,
+                g_head: np.ndarray, st: dict, grads_in_fwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(activations, gradients beyond g_live) while the last layer's backward runs: the current micro batch holds
+    only its first block's saved tensors (full checkpointing: its input) and the embeddings', its head's are gone;
+    without gradients alive through forward the head's and every other trained layer's weight gradients exist
+    (a replica's: ZeRO and FSDP reduce them into their own partitions as backward goes; traced: ELECTRA's and
+    XLM-RoBERTa's full-checkpointing steps peak there, 4-5 % above the first layer's backward)."""
+    lists = np.stack([sa[name] for name in HELD_LISTS])  # (4, B, K) one block's saved bytes, by HELD list
+    blocks = np.where(full, per_mb.sum(axis=0) * sa["layer_input"], (per_mb * lists).sum(axis=0))
+    first = np.where(full, sa["layer_input"], (first_block * lists).sum(axis=0))
+    acts_last = acts - blocks - sa["head_saved"] + first
+    trained = per_mb[0] + per_mb[1]
+    frozen_first = (first_block[2] + first_block[3]) > 0  # freeze: every trained layer is done by then
+    done = np.where(frozen_first, st["layer_grads"], st["layer_grads"] * np.maximum(trained - 1, 0)
+                    // np.maximum(trained, 1))
+    return acts_last, np.where(grads_in_fwd, 0, g_head + done)
 
 
 def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: np.ndarray) -> np.ndarray:
@@ -171,24 +219,25 @@ def _tied_sums(spec: ModelSpec, bases: list[Workload], st: dict, grads_in_fwd: n
 
 def activations_now(c: StageCells, idx: np.ndarray) -> np.ndarray:
     """Saved activations alive at moment `idx` (the log-softmax output is freed by the last layer's
-    backward; none at the optimizer step)."""
-    return np.where(idx >= OPTIMIZER_STEP, 0, c.acts - np.where(idx == BACKWARD_LAYER, c.lsm, 0))
+    backward; the other layers' by the first block's; none at the optimizer step)."""
+    return np.select([idx >= OPTIMIZER_STEP, idx == BACKWARD_LAST, idx == BACKWARD_LAYER],
+                     [0, c.acts_last, c.acts - c.lsm], c.acts)
 
 
 def breakdown(c: StageCells, idx: np.ndarray) -> dict[str, np.ndarray]:
     """Bytes per category at moment `idx` of each cell (the categories of MemoryBreakdown)."""
     step = idx >= OPTIMIZER_STEP
-    bwd_layer = idx == BACKWARD_LAYER
     return {
         "weights": c.weights - c.adapters - c.quant_constants, "adapter_weights": c.adapters,
         "quant_constants": c.quant_constants, "optimizer_states": c.states, "comm_buffers": c.comm,
         "paged_optimizer_states": c.managed,
         "transient": np.take_along_axis(c.transient, idx[None], 0)[0],
-        "gradients": np.where(step, c.grads, c.g_live + np.where(bwd_layer, c.g_head, 0)),
+        "gradients": np.where(step, c.grads, c.g_live + np.select([idx == BACKWARD_LAYER, idx == BACKWARD_LAST],
+                                                                  [c.g_head, c.g_done], 0)),
         "optimizer_temporaries": np.where(idx == OPTIMIZER_STEP, c.temp, 0),
         "gathered_params": np.where(step, 0, c.gathered),
-        "autocast_cache": np.where(step, 0, np.select([idx == FORWARD_LOSS, idx == BACKWARD_START],
-                                                      [c.c_all, c.c_start], c.c_bwd)),
+        "autocast_cache": np.where(step, 0, np.select([idx == FORWARD_LOSS, idx == BACKWARD_START, idx == BACKWARD_LAST],
+                                                      [c.c_all, c.c_start, c.c_last], c.c_bwd)),
         "activations": activations_now(c, idx),
     }
 
@@ -255,8 +304,9 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     distinct (model, micro batch, moment, layer sets held) rather than per cell."""
     B, K = moment.shape
     rows = np.broadcast_to(stack.rows[:, None], (B, K))
+    held = np.where(moment == BACKWARD_LAST, c.held_last, c.held)
     keys = np.stack([rows[sel], np.broadcast_to(np.arange(K), (B, K))[sel], moment[sel]]
-                    + [h[sel] for h in c.held], axis=1)
+                    + [h[sel] for h in held], axis=1)
     if not len(keys):
         return np.zeros(0, np.int64)
     uniq, inv = np.unique(keys, axis=0, return_inverse=True)
@@ -268,12 +318,14 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     for name, n in zip(HELD_LISTS, sets):
         mult[:, A.LIST[name]] = np.where(full, 0, n)
     mult[:, A.LIST["layer_input"]] = np.where(full, sets.sum(axis=0), 0)
-    rebuilt = np.flatnonzero(full & (mom == BACKWARD_LAYER))  # full: the layer being recomputed for its backward
-    mult[rebuilt, np.where(sets[1] + sets[3] > 0, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
+    # full: the layer being recomputed for its backward (the first block's at the last layer's backward)
+    rebuilt = np.flatnonzero(full & np.isin(mom, LAYER_BACKWARD))
+    decoder = (sets[1] + sets[3] > 0) & (mom != BACKWARD_LAST) | (sets[0] + sets[2] == 0)
+    mult[rebuilt, np.where(decoder, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
-    mult[:, A.LIST["head_saved"]] = last
+    mult[:, A.LIST["head_saved"]] = last & (mom != BACKWARD_LAST)  # the current micro batch's head is done by then
     for moment_i, name in MOMENT_LIST.items():  # every stage runs its layers' backward, the last one the loss
-        if last or moment_i == BACKWARD_LAYER:
+        if last or moment_i in LAYER_BACKWARD:
             mult[mom == moment_i, A.LIST[name]] = 1
     return segments(stack.nbytes[r, k], stack.count[r, k] * np.einsum("utf,uf->ut", stack.member[r, k], mult))[
         inv.reshape(-1)]
