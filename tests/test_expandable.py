@@ -62,7 +62,8 @@ def test_suggest_turns_it_on_only_where_it_makes_a_plan_fit(tmp_path):
     spec = memplan.resolve_model("llama-3.2-1b")
     section = launch.launch_section(s.plans[0], {"train.py"}, spec)
     # both names: torch 2.13 reads PYTORCH_ALLOC_CONF, older releases the alias (and verify accepts the run)
-    assert section["env"] == dict.fromkeys(("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True")
+    both = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    assert section["env"] == dict.fromkeys(both, "expandable_segments:True")
     check_allocator_mode(True, alloc_conf(section["env"]))
     script = tmp_path / "launch.sh"
     script.write_text(launch.launch_script(section))

@@ -118,12 +118,13 @@ def test_verify_bad_input_is_one_line_exit_2(tmp_path, args, fragment, memplan_c
     assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("expandable, conf, ok", [(False, "", True), (True, "expandable_segments:True", True),
-                                                  (True, "max_split_size_mb:128", False),
-                                                  (False, "garbage_collection_threshold:0.8,expandable_segments:True", False)])
+@pytest.mark.parametrize("expandable, conf, ok", [
+    (False, "", True), (True, "expandable_segments:True", True), (True, "max_split_size_mb:128", False),
+    (False, "garbage_collection_threshold:0.8,expandable_segments:True", False)])
 def test_a_cuda_run_refuses_an_allocator_other_than_the_plans(expandable, conf, ok):
-    """PYTORCH_CUDA_ALLOC_CONF fixes the allocator before CUDA starts: verify --device cuda measures that one, so
-    the plan's --expandable-segments must match it (one line, exit 2, rather than two allocators compared)."""
+    """The allocator settings (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF) fix the allocator before CUDA
+    starts: verify --device cuda measures that one, so the plan's --expandable-segments must match it (one line,
+    exit 2, rather than two allocators compared)."""
     from memplan.errors import UserError
     from memplan.verify.run import alloc_conf, check_allocator_mode
 
@@ -164,7 +165,8 @@ def test_the_gpu_grid_asks_verify_what_its_options_accept(monkeypatch):
                for e in grid.MODES] + [{"case": case, "expandable_segments": False, "returncode": 2,
                                         "stderr": ["memplan: error: boom"], "seconds": 0.5}]
     table = grid.report(results, "test", "python benchmarks/gpu_grid.py").splitlines()
-    assert len([line for line in table if line.startswith("| model=")]) == 3 and "failed: memplan: error: boom" in table[-3]
+    assert len([line for line in table if line.startswith("| model=")]) == 3
+    assert "failed: memplan: error: boom" in table[-3]
     replayed = doc["estimate"]["by_allocator"]["default"]["simulated_reserved_bytes"] / 2**20
     assert f"{replayed:,.3f} / " in table[-5] and table[-1].startswith("Median |error|: peak_allocated")
 

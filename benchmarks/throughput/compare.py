@@ -59,10 +59,6 @@ def _framework(run) -> dict:
     return next(v for k, v in FRAMEWORKS.items() if k in run["framework"])
 
 
-def _gpu(name: str) -> str:
-    return name
-
-
 def _excluded(run) -> str | None:
     if run.get("data_error"):
         return f"the source's value is in error: {run['data_error']}"
@@ -98,7 +94,7 @@ def _precision(run, fw) -> str:
     p = run["precision"]
     if p == "fp32":
         return "fp32"
-    if fw["half"] == "pure" and memplan.load_gpu(_gpu(run["gpu"])).bf16:
+    if fw["half"] == "pure" and memplan.load_gpu(run["gpu"]).bf16:
         return "bf16-pure"
     return p
 
@@ -118,7 +114,7 @@ def _recompute(run, fw) -> str:
 def workload(run) -> dict:
     """The estimate keywords of one published run."""
     fw = _framework(run)
-    gpu = memplan.load_gpu(_gpu(run["gpu"]))
+    gpu = memplan.load_gpu(run["gpu"])
     tp, pp = run.get("tp") or 1, run.get("pp") or 1
     gpus = run["gpus"]
     per_node = min(run.get("gpus_per_node") or 8, gpus)
@@ -140,8 +136,7 @@ def workload(run) -> dict:
 def predict(run) -> float:
     """memplan's figure in the run's own metric."""
     spec, kw = _spec(run), workload(run)
-    gpu = _gpu(run["gpu"])
-    e = memplan.estimate(spec, gpu, **kw)
+    e = memplan.estimate(spec, run["gpu"], **kw)
     metric = run["metric"]
     if metric == "step_time_s":
         return e.step_time_s
@@ -172,7 +167,7 @@ def evaluate(runs) -> tuple[list[dict], list[dict]]:
         if why:
             skipped.append({"id": run["id"], "why": why})
             continue
-        rows.append({"id": run["id"], "source": source_of(run), "gpu": _gpu(run["gpu"]), "metric": run["metric"],
+        rows.append({"id": run["id"], "source": source_of(run), "gpu": run["gpu"], "metric": run["metric"],
                      "published": run["value"], "predicted": pred, "error": pred / run["value"] - 1})
     return rows, skipped
 
@@ -199,7 +194,7 @@ def loss(rows) -> float:
 
 def _major(run) -> int:
     """The GENERATIONS key whose constants price this run."""
-    major = memplan.load_gpu(_gpu(run["gpu"])).compute_capability[0]
+    major = memplan.load_gpu(run["gpu"]).compute_capability[0]
     return max((k for k in cost.GENERATIONS if k <= major), default=min(cost.GENERATIONS))
 
 

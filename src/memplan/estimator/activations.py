@@ -819,8 +819,8 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if fam.block_keeps_attn_output:
         mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
     if not spec.is_moe:
-        return max([mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]] + _dequant_moments(spec, T, p, dequant, mlp),
-                   key=total)
+        plain = mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
+        return max([plain] + _dequant_moments(spec, T, p, dequant, mlp), key=total)
     if fam.moe_all_experts:
         return max(_inference_all_experts(spec, T, p, r, mlp) + [mlp + [Tensors("mlp intermediates", p * f * T, n_f)]],
                    key=total)

@@ -99,7 +99,8 @@ def _half_experts_note(spec: ModelSpec, fmt: WeightFormat) -> list[str]:
     if fmt.name not in SERVING_KERNELS or not half:
         return []
     return [f"--precision {fmt.name}: transformers converts nn.Linear layers to bitsandbytes; the fused experts "
-            f"({half / 1e9:.1f} B parameters) are not Linear modules and stay half ({half * fmt.other / 2**30:.1f} GiB)"]
+            f"({half / 1e9:.1f} B parameters) are not Linear modules and stay half "
+            f"({half * fmt.other / 2**30:.1f} GiB)"]
 
 
 def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
@@ -144,34 +145,43 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
         last_kv = kv_prompt // max(len(layer_windows(spec)), 1)
         moments["prefill rotary"] = (cache - cache_head - last_mlp, kv_prompt - last_kv, ws["rotary"])
     if generate:
-        # the last decode step, or the first (sliding layers still hold the prompt): DynamicLayer.update's
-        # torch.cat makes a layer's old and new keys live together, then its old and new values. StaticCache
-        # writes in place (index_copy_), but a full sliding layer rolls its window through a torch.cat
-        # (StaticSlidingWindowLayer.update)
-        kv = max(kv_cache_bytes(spec, seqs, length, kv_b, v_bytes=p), kv_prompt)
-        windows = [x for x in layer_windows(spec) if x]
-        grow_tokens = (min(max(windows), length) if windows else 0) if static else length
-        key_width = spec.kv_lora_rank if spec.is_mla else spec.num_kv_heads * spec.head_dim  # MLA's keys: the latent
-        grow = key_width * kv_b * seqs * grow_tokens
-        step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length,
-                                     dequant=dequantised_copy(spec, fmt, seqs))
-        cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
-        moments["decode"] = (cache, kv, max(step["mlp"], step["attention"], step["head"], cat, key=total))
+        moments["decode"] = (cache, *_decode_step(spec, w, fmt, kv_prompt, kv_b, p, r))
     sums = {k: weights + c + kv + _rounded_total(ts) for k, (c, kv, ts) in moments.items()}
     peak_moment = max(sums, key=lambda k: sums[k])
     c, kv, work_ts = moments[peak_moment]
     peak_phase = "decode" if peak_moment == "decode" else "prefill"
-    phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | ({"decode": sums["decode"]} if generate else {})
-    notes = ([f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []) + _half_experts_note(spec, fmt)
+    phases = {"prefill": max(v for k, v in sums.items() if k != "decode")} | (
+        {"decode": sums["decode"]} if generate else {})
+    notes = ([f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []) + (
+        _half_experts_note(spec, fmt))
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])
     mt = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     allocated, (reserved, used) = mt.allocated, mt.mode(w.expandable_segments)
-    parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated, "cuda_context": gpu.cuda_context_bytes}
+    parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
+              "cuda_context": gpu.cuda_context_bytes}
     saved, state = parts["transient"], parts["weights"] + parts["kv_cache"]
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total, saved, state,
                 _speed(spec, gpu, w, saved, kv_b, p), mt.report())
+
+
+def _decode_step(spec: ModelSpec, w: Workload, fmt: WeightFormat, kv_prompt: int, kv_b: int, p: int,
+                 r: int) -> tuple[int, list[Tensors]]:
+    """(KV cache, live tensors) of the last decode step, or the first (sliding layers still hold the prompt):
+    DynamicLayer.update's torch.cat makes a layer's old and new keys live together, then its old and new values.
+    StaticCache writes in place (index_copy_), but a full sliding layer rolls its window through a torch.cat
+    (StaticSlidingWindowLayer.update)."""
+    seqs, length = w.micro_batch * w.beams, w.seq_len + w.max_new_tokens
+    kv = max(kv_cache_bytes(spec, seqs, length, kv_b, v_bytes=p), kv_prompt)
+    windows = [x for x in layer_windows(spec) if x]
+    grow_tokens = (min(max(windows), length) if windows else 0) if w.kv_cache == "static" else length
+    key_width = spec.kv_lora_rank if spec.is_mla else spec.num_kv_heads * spec.head_dim  # MLA's keys: the latent
+    grow = key_width * kv_b * seqs * grow_tokens
+    step = inference_working_set(spec, seqs, 1, p, r, w.attn, full_logits=False, context=length,
+                                 dequant=dequantised_copy(spec, fmt, seqs))
+    cat = [Tensors("one layer's keys as torch.cat copies them", grow)]
+    return kv, max(step["mlp"], step["attention"], step["head"], cat, key=total)
 
 
 def _speed(spec: ModelSpec, gpu: GPUProfile, w: Workload, working: int, kv_bytes: int, v_bytes: int):

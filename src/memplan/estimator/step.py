@@ -171,8 +171,8 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, layer_bwd, zero, tied_sum])
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
-                      c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"], st["persistent_segments"],
-                      flight, sets, sets - per_mb + first_block, n_layers)
+                      c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"],
+                      st["persistent_segments"], flight, sets, sets - per_mb + first_block, n_layers)
 
 
 def _first_block(per_mb: np.ndarray) -> np.ndarray:
@@ -236,8 +236,9 @@ def breakdown(c: StageCells, idx: np.ndarray) -> dict[str, np.ndarray]:
                                                                   [c.g_head, c.g_done], 0)),
         "optimizer_temporaries": np.where(idx == OPTIMIZER_STEP, c.temp, 0),
         "gathered_params": np.where(step, 0, c.gathered),
-        "autocast_cache": np.where(step, 0, np.select([idx == FORWARD_LOSS, idx == BACKWARD_START, idx == BACKWARD_LAST],
-                                                      [c.c_all, c.c_start, c.c_last], c.c_bwd)),
+        "autocast_cache": np.where(step, 0, np.select(
+            [idx == FORWARD_LOSS, idx == BACKWARD_START, idx == BACKWARD_LAST], [c.c_all, c.c_start, c.c_last],
+            c.c_bwd)),
         "activations": activations_now(c, idx),
     }
 
@@ -320,7 +321,9 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     mult[:, A.LIST["layer_input"]] = np.where(full, sets.sum(axis=0), 0)
     # full: the layer being recomputed for its backward (the first block's at the last layer's backward)
     rebuilt = np.flatnonzero(full & np.isin(mom, LAYER_BACKWARD))
-    decoder = (sets[1] + sets[3] > 0) & (mom != BACKWARD_LAST) | (sets[0] + sets[2] == 0)
+    top_is_decoder = sets[1] + sets[3] > 0  # backward starts in an encoder-decoder's decoder
+    first_is_decoder = sets[0] + sets[2] == 0  # and ends there only when no encoder-side block is held
+    decoder = np.where(mom == BACKWARD_LAST, first_is_decoder, top_is_decoder)
     mult[rebuilt, np.where(decoder, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
     mult[:, A.LIST["head_saved"]] = last & (mom != BACKWARD_LAST)  # the current micro batch's head is done by then

@@ -96,7 +96,8 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     return Suggestion(
         model=spec.name, gpu=gpu.name, task=req.task, seq_len=sp.seq, global_batch=sp.global_batch,
         global_batch_default=req.global_batch is None, gpus=sp.gpus,
-        nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp, found), searched=searched(sp, req.gpus * req.nodes, req.task),
+        nodes=sp.nodes, objective=req.objective, defaults=defaults(req) + method_defaults(req, sp, found),
+        searched=searched(sp, req.gpus * req.nodes, req.task),
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
         plans=[plan(req, c) for c in shown],
@@ -278,7 +279,7 @@ def _gain(c: Candidate, best: Candidate | None) -> str:
             else f"fits with micro batch {c.mb}")
 
 
-def searched(sp: Space, world: int, task: str = "train") -> dict[str, list[str]]:
+def searched(sp: Space, world: int, task: str) -> dict[str, list[str]]:
     """The values the search tried, by knob (the parallel ones when the request has several GPUs); serving has
     no optimizer and no recompute to try."""
     out = {"precision": sp.precisions} | ({"optim": sp.optims, "grad_ckpt": sp.ckpts} if task == "train" else {}) | {
