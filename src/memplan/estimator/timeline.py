@@ -16,7 +16,8 @@ from typing import NamedTuple
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import ActivationModel, Tensors
 from memplan.estimator.allocator import CachingAllocator
-from memplan.estimator.finetune import Tuning, element_bytes, stored_tensors, tied_embedding, tuned_params
+from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, records_frozen_blocks,
+                                       stack_blocks, stored_tensors, tied_embedding, trained_blocks, tuned_params)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
@@ -86,6 +87,55 @@ class _Sim:
             self.a.free(key)
 
 
+class _Block(NamedTuple):
+    """One block of the stack as the replay runs it."""
+
+    saved: list[Tensors]  # what autograd keeps (a frozen block's list under freeze; empty: not recorded)
+    groups: list[tuple[int, int]]  # (group index, tensors of it in this block)
+    recorded: bool  # autograd records it: it has a backward
+
+
+def _spread(count: int, blocks: range) -> dict[int, int]:
+    """`count` tensors of a group over `blocks`, as evenly as they go (a group only the first block has, e.g.
+    T5's relative_attention_bias: the first)."""
+    n = len(blocks)
+    return {b: count // n + (j < count % n) for j, b in enumerate(blocks) if count // n + (j < count % n)}
+
+
+def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: ActivationModel) -> list[_Block]:
+    """Each block's saved list and parameter tensors, encoder (or decoder-only) blocks first. freeze trains the
+    last K blocks of the stack next to the head (finetune.tuned_params splits its groups so); the frozen blocks
+    before them are recorded only when a trained embedding makes their input require a gradient."""
+    enc, dec = spec.num_layers, spec.num_decoder_layers
+    stacks = {"encoder": range(enc), "decoder": range(enc, enc + dec)}
+    trained = trained_blocks(spec, t) if t.method == "freeze" else stack_blocks(spec)
+    head = stacks["decoder" if dec else "encoder"]
+    trained_range = range(head.stop - trained, head.stop)
+    per: dict[int, list[tuple[int, int]]] = {b: [] for b in range(enc + dec)}
+    for i, g in enumerate(groups):
+        if "*" not in g.module or g.category in ("embeddings", "head") and g.count == 1:
+            continue
+        blocks = stacks["decoder" if dec and g.module.startswith("decoder.") else "encoder"]
+        if t.method == "freeze" and head_stack(spec, g.module):
+            blocks = trained_range if g.trainable else range(head.start, trained_range.start)
+        for b, n in _spread(g.count, blocks).items():
+            per[b].append((i, n))
+    frozen_recorded = records_frozen_blocks(spec, t)
+    out = []
+    for b in range(enc + dec):
+        decoder = b >= enc
+        frozen = t.method == "freeze" and b in head and b not in trained_range or (
+            t.method == "freeze" and dec and not decoder)
+        if not frozen:
+            saved = am.decoder_layer if decoder and am.decoder_layer else am.layer
+        elif frozen_recorded:
+            saved = am.frozen_decoder_layer if decoder and am.frozen_decoder_layer else am.frozen_layer
+        else:
+            saved = []
+        out.append(_Block(saved, per[b], not frozen or frozen_recorded))
+    return out
+
+
 class _Step:
     """The order of one training step's allocations (the estimator's lists; activations.py names each)."""
 
@@ -96,33 +146,42 @@ class _Step:
         self.rule = OPTIMIZERS[k.optim]
         self.groups = tuned_params(k.spec, k.tuning)
         self.am: ActivationModel = k.acts.model(k.micro_batch)
-        L = max(k.spec.total_layers, 1)
-        # a group whose count is a multiple of the layers belongs to them, count // L per layer
-        self.per_layer = [(i, g, g.count // L) for i, g in enumerate(self.groups)
-                          if g.count % L == 0 and g.category not in ("embeddings", "head")]
-        # each layer's saved list: an encoder-decoder's decoder layers save their own (cross-attention)
-        self.saved = [self.am.layer] * k.spec.num_layers + [self.am.decoder_layer or self.am.layer] * (
-            k.spec.num_decoder_layers)
-        self.layers = len(self.saved)
+        self.blocks = block_table(k.spec, k.tuning, self.groups, self.am)
         self.grads: dict[int, list[int]] = {}  # a group's index -> its gradients' keys
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
 
-    def casts(self, groups: list[tuple[ParamGroup, int]] | None = None) -> list[int]:
-        """Autocast's half copies of fp32 weights: one layer's linears, or `groups` (group, copies)."""
-        if groups is None:
-            groups = [(g, n) for _, g, n in self.per_layer if g.category in LINEAR_CATEGORIES]
+    def casts(self, groups: list[tuple[int, int]], kept: bool = True) -> list[int]:
+        """Autocast's half copies of the fp32 linear weights among `groups` (group index, tensors): those it
+        keeps (a weight that requires a gradient, or a recorded block's, finetune.cast_kept), or with
+        kept=False the others, each freed as its matmul ends."""
         if not self.prec.autocast:
             return []
-        return [self.sim.alloc(g.numel * HALF) for g, n in groups if element_bytes(g, self.prec.param) == FP32
-                for _ in range(n)]
+        keys = []
+        for i, n in groups:
+            g = self.groups[i]
+            if (g.category in LINEAR_CATEGORIES and element_bytes(g, self.prec.param) == FP32
+                    and cast_kept(self.spec, self.k.tuning, g) == kept):
+                keys += [self.sim.alloc(g.numel * HALF) for _ in range(n)]
+        if not kept:
+            self.sim.free(keys)
+            return []
+        return keys
+
+    def tied_cast(self) -> list[int]:
+        """The tied head's matmul casts the fp32 embedding matrix (states.autocast_copies counts it too)."""
+        g = next((g for g in self.groups if tied_embedding(self.spec, g)), None)
+        if not (self.prec.autocast and tied_head(self.spec) and g is not None
+                and element_bytes(g, self.prec.param) == FP32):
+            return []
+        return [self.sim.alloc(g.numel * HALF)]
 
     def grad(self, i: int, n: int) -> None:
         """`n` more of group i's gradients, up to its count (AccumulateGrad makes each on first use)."""
         g = self.groups[i]
         have = self.grads.setdefault(i, [])
-        while len(have) < g.count and n > 0:
+        while g.trainable and len(have) < g.count and n > 0:
             have.append(self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
             n -= 1
 
@@ -138,47 +197,61 @@ class _Step:
                 self.micro_batch()
             self.optimizer_step(first=step == 0)
 
+    def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
+        """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
+        block's tensors and drops them, keeping its input, and autocast caches its casts until the loss."""
+        self.casts(block.groups, kept=False)
+        casts = self.casts(block.groups)
+        if not block.recorded:
+            self.sim.free(self.tensors(self.am.layer) + casts)  # nothing requires a gradient yet
+            return []
+        if full:
+            cached += casts
+            self.sim.free(self.tensors(block.saved))
+            return self.tensors(self.am.layer_input)
+        return casts + self.tensors(block.saved)
+
     def micro_batch(self) -> None:
         full = self.k.grad_ckpt == "full"
         embed = self.tensors(self.am.embed)
-        held, cached = [], []
-        for saved in self.saved:
-            casts = self.casts()
-            if full:  # autocast caches the no-grad forward's casts too, until its region ends with the loss; the
-                # no-grad forward makes the layer's tensors and drops them, keeping its input
-                cached += casts
-                casts = []
-                self.sim.free(self.tensors(saved))
-            held.append(casts + self.tensors(self.am.layer_input if full else saved))
-        head = self.casts([(g, g.count) for g in self.groups if g.category == "head"])
-        head += self.tensors(self.am.head_saved)
+        cached: list[int] = []
+        held = [self.forward(b, full, cached) for b in self.blocks]
+        head = self.casts([(i, g.count) for i, g in enumerate(self.groups) if g.category == "head"])
+        head += self.tied_cast() + self.tensors(self.am.head_saved)
         self.sim.free(self.tensors(self.am.loss_forward))
         self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
-        loss = self.tensors(self.am.loss_backward)
+        # the loss's backward transients peak before the head's gradient exists (the estimate's backward-start
+        # moment; traced: Llama-3.2-1B under freeze peaks there, the tied matrix's fp32 gradient not yet made)
+        self.sim.free(self.tensors(self.am.loss_backward))
         for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
-            if g.trainable and (g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g)):
+            if g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g):
                 self.grad(i, g.count)
-        self.sim.free(loss + head)
+        self.sim.free(head)
         again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
-        for i in reversed(range(self.layers)):  # full: the layer's forward again; selective: its attention core
-            self.layer_backward(held[i], self.saved[i] if again is None else again)
-        if tied_head(self.spec):  # the embedding's dense gradient and its sum with the head's
+        for b, keys in reversed(list(zip(self.blocks, held))):  # full: its forward again; selective: its core
+            if b.recorded:
+                self.layer_backward(b, keys, b.saved if again is None else again)
+        if tied_head(self.spec) and self._tied_trains():  # the embedding's dense gradient and its sum with the head's
             v = self.spec.vocab_size * self.spec.hidden_size * self.prec.grad
             self.sim.free([self.sim.alloc(v), self.sim.alloc(v)])
         for i, g in enumerate(self.groups):
-            if g.trainable:
-                self.grad(i, g.count)
+            self.grad(i, g.count)
         self.sim.free(embed)
 
-    def layer_backward(self, held: list[int], recomputed: list[Tensors]) -> None:
-        """One layer's backward after recomputing `recomputed` (full checkpointing: its saved list and casts)."""
+    def _tied_trains(self) -> bool:
+        """The tied embedding matrix gets a gradient (LoRA and freeze leave it frozen)."""
+        return any(g.trainable and tied_embedding(self.spec, g) for g in self.groups)
+
+    def layer_backward(self, block: _Block, held: list[int], recomputed: list[Tensors]) -> None:
+        """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts)."""
         full = self.k.grad_ckpt == "full"
-        again = (self.casts() if full else []) + self.tensors(recomputed)
-        work = self.tensors(self.am.layer_backward)
-        for i, g, n in self.per_layer:
-            if g.trainable:
-                self.grad(i, n)
-        self.sim.free(work + again + held)
+        again = (self.casts(block.groups) if full else []) + self.tensors(recomputed)
+        # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
+        # traced: bert-base under freeze peaks there with the head's gradients only)
+        self.sim.free(self.tensors(self.am.layer_backward))
+        for i, n in block.groups:
+            self.grad(i, n)
+        self.sim.free(again + held)
 
     def optimizer_step(self, first: bool) -> None:
         trained = [g for g in self.groups if g.trainable]
