@@ -82,6 +82,10 @@ class ActivationModel:
     # freeze: what a frozen block autograd records keeps (frozen_block), encoder-or-decoder-only and decoder
     frozen_layer: list[Tensors] = field(default_factory=list)
     frozen_decoder_layer: list[Tensors] = field(default_factory=list)
+    # a traced model's storages in the order its step makes them (traced.SEQUENCES: a block's forward and the three
+    # windows), for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its death, (SAVED - k, 0) the
+    # block's k-th saved tensor born; empty for the analytic models, whose replay orders their lists
+    sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def total(ts: list[Tensors]) -> float:

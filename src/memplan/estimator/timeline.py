@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from memplan.estimator.activation_arrays import ActsKey
-from memplan.estimator.activations import ActivationModel, Tensors
+from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
 from memplan.estimator.allocator import CachingAllocator
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, records_frozen_blocks,
                                        stack_blocks, stored_tensors, tied_embedding, trained_blocks, tuned_params)
@@ -22,6 +22,7 @@ from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.trace import SAVED
 from memplan.inputs.workload import Workload
 
 STEPS = 2
@@ -197,6 +198,26 @@ class _Step:
                 self.micro_batch()
             self.optimizer_step(first=step == 0)
 
+    def ordered(self, name: str, saved: list[Tensors]) -> dict[int, list[int]]:
+        """`saved` made in the order of a traced model's sequence `name` (ActivationModel.sequences: the unmarked
+        ones first), its own storages made and freed as it goes; an analytic model's, in list order. Returns each
+        saved entry's keys by its index."""
+        seq = self.am.sequences.get(name, [])
+        marks = {SAVED - n for n, _ in seq if n <= SAVED}
+        if not marks <= set(range(len(saved))):  # a list of another shape (a frozen block's): no markers
+            seq, marks = [(n, b) for n, b in seq if n > SAVED], set()
+        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k not in marks}
+        live: dict[int, int] = {}
+        for n, nbytes in seq:
+            if n >= 0:
+                live[n] = self.sim.alloc(nbytes)
+            elif n <= SAVED:
+                keys[SAVED - n] = self.tensors([saved[SAVED - n]])
+            elif ~n in live:
+                self.sim.free([live.pop(~n)])
+        self.sim.free(list(live.values()))
+        return keys
+
     def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
         """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
         block's tensors and drops them, keeping its input, and autocast caches its casts until the loss."""
@@ -205,28 +226,22 @@ class _Step:
         if not block.recorded:
             self.sim.free(self.tensors(self.am.layer) + casts)  # nothing requires a gradient yet
             return []
-        if full:
+        if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
             cached += casts
-            self.sim.free(self.tensors(block.saved))
+            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved)))
             return self.tensors(self.am.layer_input)
-        return casts + self.tensors(block.saved)
+        return casts + _flat(self.ordered("layer_forward", block.saved))
+
+    @property
+    def traced(self) -> bool:
+        return bool(self.am.sequences)
 
     def micro_batch(self) -> None:
         full = self.k.grad_ckpt == "full"
         embed = self.tensors(self.am.embed)
         cached: list[int] = []
         held = [self.forward(b, full, cached) for b in self.blocks]
-        head = self.casts([(i, g.count) for i, g in enumerate(self.groups) if g.category == "head"])
-        head += self.tied_cast() + self.tensors(self.am.head_saved)
-        self.sim.free(self.tensors(self.am.loss_forward))
-        self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
-        # the loss's backward transients peak before the head's gradient exists (the estimate's backward-start
-        # moment; traced: Llama-3.2-1B under freeze peaks there, the tied matrix's fp32 gradient not yet made)
-        self.sim.free(self.tensors(self.am.loss_backward))
-        for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
-            if g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g):
-                self.grad(i, g.count)
-        self.sim.free(head)
+        self.loss(cached)
         again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
         for b, keys in reversed(list(zip(self.blocks, held))):  # full: its forward again; selective: its core
             if b.recorded:
@@ -238,17 +253,56 @@ class _Step:
             self.grad(i, g.count)
         self.sim.free(embed)
 
+    def loss(self, cached: list[int]) -> None:
+        """The head and the loss, forward and backward, up to the head's gradient."""
+        head = self.casts([(i, g.count) for i, g in enumerate(self.groups) if g.category == "head"])
+        head += self.tied_cast()
+        saved = self.am.head_saved
+        lsm_at = [k for k, t in enumerate(saved) if t.kind == TensorKind.LOG_SOFTMAX]
+        if self.traced:  # the window's own order, the head's saved storages born where their markers are
+            keys = self.ordered("loss_forward", saved)
+        else:  # the logits (and their fp32 copy) before the log-softmax output the loss saves, then freed
+            keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k not in lsm_at}
+            logits = self.tensors(self.am.loss_forward)
+            keys |= {k: self.tensors([saved[k]]) for k in lsm_at}
+            self.sim.free(logits)
+        lsm = [key for k in lsm_at for key in keys.pop(k)]
+        head += _flat(keys)
+        self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
+        # the loss's backward transients peak beside the log-softmax output its backward reads, before the head's
+        # gradient exists (the estimate's backward-start moment; traced: Llama-3.2-1B under freeze peaks there, the
+        # tied matrix's fp32 gradient not yet made)
+        cast: list[int] = []
+        if self.traced:
+            self.ordered("loss_backward", [])
+            self.sim.free(lsm)
+        else:
+            grads = self.tensors(self.am.loss_backward)
+            self.sim.free(lsm + grads[:1])
+            # then dL/dlogits is cast back to the logits' width where the loss up-cast them (activations.py's loss
+            # lists: the logits, then their fp32 copy) for the head's matmul backward
+            cast = self.tensors(self.am.loss_forward[:1]) if len(self.am.loss_forward) > 1 else []
+            self.sim.free(grads[1:])
+        for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
+            if g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g):
+                self.grad(i, g.count)
+        self.sim.free(cast + head)
+
     def _tied_trains(self) -> bool:
         """The tied embedding matrix gets a gradient (LoRA and freeze leave it frozen)."""
         return any(g.trainable and tied_embedding(self.spec, g) for g in self.groups)
 
     def layer_backward(self, block: _Block, held: list[int], recomputed: list[Tensors]) -> None:
-        """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts)."""
-        full = self.k.grad_ckpt == "full"
-        again = (self.casts(block.groups) if full else []) + self.tensors(recomputed)
+        """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts; a
+        traced model's sequence holds its recompute, traced under checkpointing)."""
+        full = self.k.grad_ckpt == "full" and not self.traced
+        again = (self.casts(block.groups) if full else []) + self.tensors([] if self.traced else recomputed)
         # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
         # traced: bert-base under freeze peaks there with the head's gradients only)
-        self.sim.free(self.tensors(self.am.layer_backward))
+        if self.traced:
+            self.ordered("layer_backward", [])
+        else:
+            self.sim.free(self.tensors(self.am.layer_backward))
         for i, n in block.groups:
             self.grad(i, n)
         self.sim.free(again + held)
@@ -275,3 +329,7 @@ class _Step:
             for keys in self.grads.values():
                 self.sim.free(keys)
             self.grads = {}
+
+
+def _flat(keys: dict[int, list[int]]) -> list[int]:
+    return [key for k in sorted(keys) for key in keys[k]]

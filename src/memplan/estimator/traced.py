@@ -35,12 +35,15 @@ import numpy as np
 from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
 from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
+from memplan.inputs.trace import SAVED
 
-FORMAT = 6  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 7  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
 WINDOWS = ("loss_forward", "loss_backward", "layer_backward")
+# the replay's ordered storages (estimator/timeline.py): a block's forward, then the three windows
+SEQUENCES = ("layer_forward",) + WINDOWS
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class Coefficients:
     fit_error: float  # the largest misfit at the spare traces, relative to the saved bytes there
     seconds: float  # the traces' wall time
     path: str  # the cache file
+    # per SEQUENCES entry: its storages in order (inputs/trace.py sequence), (n, coefficients) where the n-th is
+    # born, (~n, ()) where it dies, (SAVED - k, ()) where the block's k-th saved storage is born
+    sequences: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...] = ()
 
 
 def cache_dir() -> Path:
@@ -154,11 +160,13 @@ def activations(key: TraceKey, b: int, s: int) -> ActivationModel:
         # traced with the recompute in it, which the step adds itself: one block's saved tensors (step.py)
         recompute = max(sum(t.nbytes for t in layer), sum(t.nbytes for t in decoder))
         layer_backward = [replace(layer_backward[0], nbytes=max(0.0, layer_backward[0].nbytes - recompute))]
+    sequences = {name: [(n, max(0.0, evaluate(r, b, s)) if r else 0.0) for n, r in q]
+                 for name, q in zip(SEQUENCES, c.sequences)}
     return ActivationModel(
         layer=layer, decoder_layer=decoder, embed=saved("embeddings", c.embed), head_saved=saved("head", c.head, c.lsm),
         layer_input=saved("checkpointed block input", c.layer_input),
         layer_backward=layer_backward, layer_core=[], loss_forward=moment("loss_forward"),
-        loss_backward=moment("loss_backward"))
+        loss_backward=moment("loss_backward"), sequences=sequences)
 
 
 def note(key: TraceKey, model_type: str) -> str:
@@ -191,9 +199,10 @@ def coefficients(key: TraceKey) -> Coefficients:
 
 def _from_doc(d: dict, path: str) -> Coefficients:
     t = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
+    seqs = tuple(tuple((int(n), tuple(float(x) for x in c)) for n, c in q) for q in d["sequences"])
     return Coefficients(t(d["layer"]), t(d["decoder_layer"]), t(d["embed"]), t(d["head"]),
                         tuple(bool(x) for x in d["lsm"]), t(d["layer_input"]),
-                        tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path)
+                        tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path, seqs)
 
 
 def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
@@ -234,8 +243,16 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     firsts = [rows(lambda m, st=st: [_total(m, st[0]) - _total(m, st[1])]) for st in (enc, dec) if st]
     embed = rows(lambda m: m["saved"].get("embed", [])) + tuple(r[0] for r in firsts)
     windows = tuple(_moments(points, [m["windows"][name] for m in kept]) for name in WINDOWS)
+    sequences = tuple(_sequence(points, [m["sequences"][name] for m in kept]) for name in SEQUENCES)
+    # a saved storage's marker names its place in its region's list: kept where that list is the step's (one traced
+    # block per stack, its storages fitted one by one)
+    last = kept[0]["order"][-1]
+    lists = {"layer_forward": (layer, kept[0]["saved"].get(f"block{last}", []) if enc[1:] == [last] else None),
+             "loss_forward": (head, kept[0]["saved"].get("head", []))}
+    sequences = tuple(q if name not in lists or lists[name][1] is not None and len(lists[name][0]) == len(lists[name][1])
+                      else tuple((n, c) for n, c in q if n > SAVED) for name, q in zip(SEQUENCES, sequences))
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
-                        round(time.perf_counter() - t0, 2), path)
+                        round(time.perf_counter() - t0, 2), path, sequences)
 
 
 def _total(m: dict, k: int) -> int:
@@ -255,14 +272,7 @@ def _moments(points: list[tuple[int, int]], series: list[list[tuple[str, int]]])
     """A window's moments fitted across the traces: its events matched by op sequence to the first trace's;
     the moments that are the largest somewhere on a grid of workloads kept, and the window's largest value
     fitted as one more moment when it fits (the same moment at every trace)."""
-    ref = [op for op, _ in series[0]]
-    index = [dict() for _ in series]
-    for j, ser in enumerate(series):
-        sm = difflib.SequenceMatcher(None, ref, [op for op, _ in ser], autojunk=False)
-        for blk in sm.get_matching_blocks():
-            for d in range(blk.size):
-                index[j][blk.a + d] = blk.b + d
-    common = [i for i in range(len(ref)) if all(i in ix for ix in index)]
+    index, common = _matched([[op for op, _ in ser] for ser in series])
     vals = np.array([[series[j][index[j][i]][1] for i in common] for j in range(len(series))], float)
     peaks = np.array([[max(v for _, v in ser)] for ser in series], float)
     coef, _ = fit(points, vals) if common else (np.zeros((0, 6)), 0.0)
@@ -270,6 +280,36 @@ def _moments(points: list[tuple[int, int]], series: list[list[tuple[str, int]]])
     keep = _dominant(coef)
     out = [coef[i] for i in keep] + ([top[0]] if top_err < 1e-3 else [])
     return tuple(tuple(float(x) for x in r) for r in out)
+
+
+def _matched(ops: list[list[str]]) -> tuple[list[dict[int, int]], list[int]]:
+    """Each trace's events matched to the first trace's by op sequence (difflib): per trace, the first's event
+    index -> its own; and the first's events every trace matched."""
+    index: list[dict[int, int]] = [dict() for _ in ops]
+    for j, seq in enumerate(ops):
+        sm = difflib.SequenceMatcher(None, ops[0], seq, autojunk=False)
+        for blk in sm.get_matching_blocks():
+            for d in range(blk.size):
+                index[j][blk.a + d] = blk.b + d
+    return index, [i for i in range(len(ops[0])) if all(i in ix for ix in index)]
+
+
+def _sequence(points: list[tuple[int, int]], seqs: list[list]) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """A window's storages in order across the traces: the first trace's events every trace has (matched by op
+    sequence), each storage's bytes fitted; a death kept only with its birth."""
+    index, common = _matched([[op for op, _, _ in q] for q in seqs])
+    born = [i for i in common if seqs[0][i][1] >= 0]
+    vals = np.array([[seqs[j][index[j][i]][2] for i in born] for j in range(len(seqs))], float)
+    coef = dict(zip(born, fit(points, vals)[0])) if born else {}
+    kept = {seqs[0][i][1] for i in born}
+    out = []
+    for i in common:
+        n = seqs[0][i][1]
+        if n >= 0:
+            out.append((n, tuple(float(x) for x in coef[i])))
+        elif n <= SAVED or ~n in kept:
+            out.append((n, ()))
+    return tuple(out)
 
 
 def _dominant(coef: np.ndarray) -> list[int]:

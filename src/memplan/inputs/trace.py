@@ -30,6 +30,8 @@ from memplan.errors import UserError
 
 # the SDPA kernel choice of an sm80 GPU (FlashAttention for half inputs, memory-efficient for fp32)
 TRACE_SM = (8, 0)
+# a sequence's marker of a saved storage's birth: SAVED - its place in its block's list (below any ~n of a free)
+SAVED = -(2**30)
 # config names of the layer counts, every stack (transformers' attribute_map aliases most of them)
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
                 "num_decoder_layers")
@@ -211,9 +213,43 @@ def _read(tracker, marks: _Marks, backward_at: int) -> dict[str, Any]:
         "loss_backward": series(backward_at, marks.bwd_start[last], False, saved_total),
         "layer_backward": series(marks.bwd_start[last], marks.bwd_end[last], False, saved_total - lsm_total),
     }
+    own = by_region.get(f"block{last}", [])
+    sequences = {
+        "layer_forward": sequence(allocs, events, ours, saved_set, marks.start[last], marks.end[last], own),
+        "loss_forward": sequence(allocs, events, ours, saved_set, marks.end[last], backward_at,
+                                 by_region.get("head", [])),
+        "loss_backward": sequence(allocs, events, ours, saved_set, backward_at, marks.bwd_start[last]),
+        "layer_backward": sequence(allocs, events, ours, saved_set, marks.bwd_start[last], marks.bwd_end[last]),
+    }
     return {"saved": {r: [allocs[i].nbytes for i in ids] for r, ids in by_region.items()},
             "lsm": [i in lsm_set for i in by_region.get("head", [])], "windows": windows,
-            "order": list(marks.order)}
+            "sequences": sequences, "order": list(marks.order)}
+
+
+def sequence(allocs, events, ours, saved: set[int], lo: int, hi: int,
+             own: list[int] | tuple = ()) -> list[tuple[str, int, int]]:
+    """The window's own storages in order, for the estimator's replay (estimator/timeline.py): (op, n, bytes) for the
+    n-th storage born in it, (op, ~n, 0) when it dies in it, (op, SAVED - k, 0) where the k-th of `own` (the region's
+    saved storages: the block's, the head's) is born. A saved storage born here is left to the step's lists, and storages born before the
+    window are not the window's."""
+    ids: dict[int, int] = {}
+    place = {i: k for k, i in enumerate(own)}
+    out = []
+    for e in events[lo:hi]:
+        i = e if e >= 0 else ~e
+        if not ours[i]:
+            continue
+        op = ("+" if e >= 0 else "-") + allocs[i].op
+        if i in saved:
+            if e >= 0 and i in place:
+                out.append((op, SAVED - place[i], 0))
+            continue
+        if e >= 0:
+            ids[i] = len(ids)
+            out.append((op, ids[i], allocs[i].nbytes))
+        elif i in ids:
+            out.append((op, ~ids[i], 0))
+    return out
 
 
 def _regions(saved: list[int], born_at: dict[int, int], marks: _Marks) -> dict[int, str]:
