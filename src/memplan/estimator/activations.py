@@ -86,6 +86,9 @@ class ActivationModel:
     # windows), for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its death, (SAVED - k, 0) the
     # block's k-th saved tensor born; empty for the analytic models, whose replay orders their lists
     sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # made and freed in one layer's forward beside its attention core (eager attention's scores): no moment of the
+    # step (a layer's backward holds more), only where the replay's segments go
+    layer_forward: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -743,7 +746,24 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
+        layer_forward=shard(_forward_transients(spec, b, s, prec, attn), tp, sp),
     )
+
+
+def _forward_transients(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
+    """Eager attention's transients beside the softmax output it saves: the scaled scores (a decoder's plus its
+    float mask, in the residual stream's dtype: masking_utils, as inference_working_set counts them) and the fp32
+    copy a half input gets for an fp32 softmax (traced: Qwen3 bf16-pure bmm, mul, add, _to_copy, _softmax;
+    RoBERTa fp16 bmm, mul, _to_copy, _softmax)."""
+    if attn != "eager" or spec.is_mla:
+        return []
+    p = HALF if prec.autocast else prec.act
+    m = prec.residual if spec.arch == "decoder" else p
+    scores = b * spec.num_heads * s * s
+    out = [Tensors("masked scores (transient)", m * scores)]
+    if _softmax_bytes(spec, prec) == FP32 and m != FP32:
+        out.append(Tensors("the softmax's fp32 input copy (transient)", FP32 * scores))
+    return out
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,

@@ -228,9 +228,20 @@ class _Step:
             return []
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
             cached += casts
-            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved)))
+            self.sim.free(self.made(block.saved) if not self.traced else _flat(self.ordered("layer_forward", [])))
             return self.tensors(self.am.layer_input)
-        return casts + _flat(self.ordered("layer_forward", block.saved))
+        return casts + (self.made(block.saved) if not self.traced else _flat(self.ordered("layer_forward", block.saved)))
+
+    def made(self, saved: list[Tensors]) -> list[int]:
+        """An analytic block's saved tensors in list order, its forward's transients (layer_forward) made before its
+        attention core's and freed after them (under GQA eager, also before the expanded k and v)."""
+        core = [k for k, t in enumerate(saved) if t.kind is TensorKind.CORE]
+        lo, hi = (core[0], core[-1] + 1) if core else (len(saved), len(saved))
+        keys = self.tensors(saved[:lo])
+        transients = self.tensors(self.am.layer_forward)
+        keys += self.tensors(saved[lo:hi])
+        self.sim.free(transients)
+        return keys + self.tensors(saved[hi:])
 
     @property
     def traced(self) -> bool:
