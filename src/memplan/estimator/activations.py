@@ -22,6 +22,7 @@ from enum import Enum
 from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, family
 from memplan.estimator.finetune import AdapterInput, LoraActs
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec
+from memplan.inputs.trace import SAVED
 from memplan.estimator.rules import (
     ACTIVATION_SAVES, FP32, HALF, MASK, Precision, activation_saved_bytes, fused_loss_blocks, tiled_mlp_chunk,
 )
@@ -82,13 +83,11 @@ class ActivationModel:
     # freeze: what a frozen block autograd records keeps (frozen_block), encoder-or-decoder-only and decoder
     frozen_layer: list[Tensors] = field(default_factory=list)
     frozen_decoder_layer: list[Tensors] = field(default_factory=list)
-    # a traced model's storages in the order its step makes them (traced.SEQUENCES: a block's forward and the three
-    # windows), for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its death, (SAVED - k, 0) the
-    # block's k-th saved tensor born; empty for the analytic models, whose replay orders their lists
+    # storages in the order the step makes them, for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its
+    # death, (SAVED - k, 0) the list's k-th saved tensor born. A traced model's: a block's forward and the three
+    # windows (traced.SEQUENCES); an analytic one's: eager attention's core in a block's forward
+    # (_eager_core_sequence), its other lists replayed in their order
     sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    # made and freed in one layer's forward beside its attention core (eager attention's scores): no moment of the
-    # step (a layer's backward holds more), only where the replay's segments go
-    layer_forward: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -746,24 +745,41 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
-        layer_forward=shard(_forward_transients(spec, b, s, prec, attn), tp, sp),
+        sequences=_eager_core_sequence(spec, layer, b, s, prec, attn, tp),
     )
 
 
-def _forward_transients(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
-    """Eager attention's transients beside the softmax output it saves: the scaled scores (a decoder's plus its
-    float mask, in the residual stream's dtype: masking_utils, as inference_working_set counts them) and the fp32
-    copy a half input gets for an fp32 softmax (traced: Qwen3 bf16-pure bmm, mul, add, _to_copy, _softmax;
-    RoBERTa fp16 bmm, mul, _to_copy, _softmax)."""
-    if attn != "eager" or spec.is_mla:
-        return []
+def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, prec: Precision, attn: str,
+                         tp: int) -> dict[str, list[tuple[int, float]]]:
+    """Eager attention's core in a block's forward, in order (transformers 5 eager_attention_forward; traced: Qwen3
+    bf16-pure bmm, mul, add, _to_copy, _softmax, _to_copy; RoBERTa fp16 bmm, mul, _to_copy, _softmax,
+    native_dropout, _to_copy): the scores; scaled (the scores die); a decoder's causal mask added, in the residual
+    stream's dtype (masking_utils; the scaled die); the fp32 copy a half input gets for an fp32 softmax; the softmax
+    output (the copy dies); an encoder's dropout output in the softmax's width, which the PV matmul casts (alive to
+    the block's end); the rest of the core; then the scores' last form dies. The core's saved tensors (kind CORE:
+    under GQA the expanded k and v first) are markers into `layer`. Families with their own eager core (Falcon's,
+    GPT-OSS's sinks) have none: the replay makes their list in order."""
+    fam = family(spec.model_type)
+    core = [k for k, t in enumerate(layer) if is_core(t)]
+    if attn != "eager" or spec.is_mla or not core or fam.eager_score_tensors or fam.attention_sinks:
+        return {}
     p = HALF if prec.autocast else prec.act
-    m = prec.residual if spec.arch == "decoder" else p
-    scores = b * spec.num_heads * s * s
-    out = [Tensors("masked scores (transient)", m * scores)]
-    if _softmax_bytes(spec, prec) == FP32 and m != FP32:
-        out.append(Tensors("the softmax's fp32 input copy (transient)", FP32 * scores))
-    return out
+    sm = _softmax_bytes(spec, prec)
+    scores = b * spec.num_heads * s * s / tp
+    first = 1 if spec.num_heads != spec.num_kv_heads else 0  # repeat_kv's k and v (one entry), before the scores
+    seq: list[tuple[int, float]] = [(SAVED - k, 0.0) for k in core[:first]]
+    seq += [(0, p * scores), (1, p * scores), (~0, 0.0)]
+    last, width = 1, p
+    if spec.arch == "decoder":
+        width = prec.residual
+        seq += [(2, width * scores), (~1, 0.0)]
+        last = 2
+    copy = sm == FP32 and width != FP32
+    seq += ([(3, FP32 * scores)] if copy else []) + [(SAVED - core[first], 0.0)] + ([(~3, 0.0)] if copy else [])
+    dropped = spec.arch != "decoder" and spec.attention_dropout > 0 and sm != p
+    seq += [(4, sm * scores)] if dropped else []
+    seq += [(SAVED - k, 0.0) for k in core[first + 1:]] + [(~last, 0.0)] + ([(~4, 0.0)] if dropped else [])
+    return {"layer_forward": seq}
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,

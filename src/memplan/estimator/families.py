@@ -86,6 +86,10 @@ class Family:
     # at its peak, in the hidden states' dtype, fp32 under autocast); 0: transformers' eager_attention_forward
     # (the masked scores beside softmax's output and fp32 copy)
     eager_score_tensors: int = 0
+    # eager attention concatenates a learned sink logit per head to the scores before its softmax (GptOssAttention's
+    # eager_attention_forward): its core makes other transients than transformers' shared one, so the replay
+    # (timeline.py) makes its saved list in order
+    attention_sinks: bool = False
     # GPT2Block keeps the attention's output in a local through the MLP, and with learned positions the model's
     # forward keeps the position embeddings' output (1 x s x h) beside the token embeddings' (traced: GPT-2,
     # GPT-BigCode)
@@ -212,7 +216,7 @@ FAMILIES: dict[str, Family] = {
     # (no _supports_sdpa; its flash path needs the kernels hub), alternating sliding and full layers, biased
     # projections, fused experts with a clamped SwiGLU, top-k then softmax routing. PEFT 0.21 has no default
     # LoRA targets for gpt_oss
-    "gpt_oss": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, attn_unsupported=("sdpa", "flash"),
+    "gpt_oss": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, attn_unsupported=("sdpa", "flash"), attention_sinks=True,
                       expert_act_extra=4, fused_loss_causal_base="model"),
     # SmolLM3DecoderLayer: llama's layer; no_rope_layers turns RoPE off on every fourth layer, which changes no
     # saved tensor (RoPE saves only the shared cos / sin). PEFT 0.21 has no default LoRA targets for smollm3

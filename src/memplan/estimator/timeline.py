@@ -198,15 +198,16 @@ class _Step:
                 self.micro_batch()
             self.optimizer_step(first=step == 0)
 
-    def ordered(self, name: str, saved: list[Tensors]) -> dict[int, list[int]]:
-        """`saved` made in the order of a traced model's sequence `name` (ActivationModel.sequences: the unmarked
-        ones first), its own storages made and freed as it goes; an analytic model's, in list order. Returns each
-        saved entry's keys by its index."""
+    def ordered(self, name: str, saved: list[Tensors], marked: bool = True) -> dict[int, list[int]]:
+        """`saved` made in the order of sequence `name` (ActivationModel.sequences; marked: its markers name these
+        tensors): the unmarked ones before the first marked first, the sequence's own storages made and freed as it
+        goes, the unmarked rest after it; without a sequence, `saved` in list order. Each entry's keys by index."""
         seq = self.am.sequences.get(name, [])
         marks = {SAVED - n for n, _ in seq if n <= SAVED}
-        if not marks <= set(range(len(saved))):  # a list of another shape (a frozen block's): no markers
+        if not marked or not marks <= set(range(len(saved))):
             seq, marks = [(n, b) for n, b in seq if n > SAVED], set()
-        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k not in marks}
+        lo = min(marks, default=len(saved))
+        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k < lo}
         live: dict[int, int] = {}
         for n, nbytes in seq:
             if n >= 0:
@@ -216,7 +217,7 @@ class _Step:
             elif ~n in live:
                 self.sim.free([live.pop(~n)])
         self.sim.free(list(live.values()))
-        return keys
+        return keys | {k: self.tensors([t]) for k, t in enumerate(saved) if k > lo and k not in marks}
 
     def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
         """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
@@ -226,26 +227,17 @@ class _Step:
         if not block.recorded:
             self.sim.free(self.tensors(self.am.layer) + casts)  # nothing requires a gradient yet
             return []
+        mine = block.saved is self.am.layer  # the sequence's markers name the layer list's tensors
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
             cached += casts
-            self.sim.free(self.made(block.saved) if not self.traced else _flat(self.ordered("layer_forward", [])))
+            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, mine)))
             return self.tensors(self.am.layer_input)
-        return casts + (self.made(block.saved) if not self.traced else _flat(self.ordered("layer_forward", block.saved)))
-
-    def made(self, saved: list[Tensors]) -> list[int]:
-        """An analytic block's saved tensors in list order, its forward's transients (layer_forward) made before its
-        attention core's and freed after them (under GQA eager, also before the expanded k and v)."""
-        core = [k for k, t in enumerate(saved) if t.kind is TensorKind.CORE]
-        lo, hi = (core[0], core[-1] + 1) if core else (len(saved), len(saved))
-        keys = self.tensors(saved[:lo])
-        transients = self.tensors(self.am.layer_forward)
-        keys += self.tensors(saved[lo:hi])
-        self.sim.free(transients)
-        return keys + self.tensors(saved[hi:])
+        return casts + _flat(self.ordered("layer_forward", block.saved, mine))
 
     @property
     def traced(self) -> bool:
-        return bool(self.am.sequences)
+        """A traced model: its windows are sequences too (an analytic one has at most its block's forward)."""
+        return "layer_backward" in self.am.sequences
 
     def micro_batch(self) -> None:
         full = self.k.grad_ckpt == "full"
