@@ -114,7 +114,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
     trained_range = range(head.stop - trained, head.stop)
     per: dict[int, list[tuple[int, int]]] = {b: [] for b in range(enc + dec)}
     for i, g in enumerate(groups):
-        if "*" not in g.module or g.category in ("embeddings", "head") and g.count == 1:
+        if "*" not in g.module:  # outside the blocks: the embeddings, the head, a final norm
             continue
         blocks = stacks["decoder" if dec and g.module.startswith("decoder.") else "encoder"]
         if t.method == "freeze" and head_stack(spec, g.module):
@@ -125,8 +125,8 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
     out = []
     for b in range(enc + dec):
         decoder = b >= enc
-        frozen = t.method == "freeze" and b in head and b not in trained_range or (
-            t.method == "freeze" and dec and not decoder)
+        # freeze: a block of the stack next to the head before the trained ones, or an encoder-decoder's encoder
+        frozen = t.method == "freeze" and (b not in trained_range if b in head else True)
         if not frozen:
             saved = am.decoder_layer if decoder and am.decoder_layer else am.layer
         elif frozen_recorded:
