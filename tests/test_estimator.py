@@ -80,6 +80,26 @@ def test_the_last_layers_backward_holds_the_other_layers_gradients():
     assert acc.phases["backward-last-layer"] < acc.phases["backward-layer"]
 
 
+def test_a_frozen_first_block_rebuilds_a_frozen_blocks_tensors(monkeypatch):
+    """Under freeze with the tied embedding trained, autograd records the frozen blocks, and at the last layer's
+    backward full checkpointing rebuilds the first one: a frozen block's saved tensors (no linear inputs for its
+    weights' gradients), not a trained block's as before."""
+    from memplan.estimator import step
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.estimator.activations import total
+
+    kw = dict(micro_batch=1, seq_len=64, precision="bf16", grad_ckpt="full", method="freeze", trainable_layers=2)
+    spec = memplan.resolve_model("gpt2")
+    now = memplan.estimate(spec, "a100-80g", **kw)
+    monkeypatch.setattr(step, "_first_list", lambda sa, first_block: sa["layer"])
+    trained = memplan.estimate(spec, "a100-80g", **kw)
+    am = ActsKey.of(spec, now.workload).model(1)
+    assert am.frozen_layer and total(am.frozen_layer) < total(am.layer)
+    drop = trained.phases["backward-last-layer"] - now.phases["backward-last-layer"]
+    assert 0 < drop <= total(am.layer) - total(am.frozen_layer) + 2**20
+    assert trained.phases["backward-layer"] == now.phases["backward-layer"]  # the last block is a trained one
+
+
 def test_large_vocab_logits_dominate_llama3():
     e = memplan.estimate("llama-3.2-1b", "h100-80g", micro_batch=4, seq_len=4096, precision="bf16", attn="flash",
                          grad_ckpt="full")

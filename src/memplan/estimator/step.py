@@ -157,18 +157,19 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     first_block = _first_block(per_mb)
     sets = per_mb * held
     acts_last, g_done = _last_layer(sa, per_mb, first_block, full, acts, g_head, st, grads_in_fwd)
+    last_bwd = np.where(full, _first_list(sa, first_block), recompute) + sa["layer_backward"] + c_mlp_layer
     base = st["weights"] + st["states"] + g_live + st["comm"] + st["gathered"]
     after_backward = st["weights"] + st["states"] + st["grads"] + st["comm"]
     phases = np.stack([
         base + c_all + acts + sa["loss_forward"],
         base + c_start + acts + sa["loss_backward"],
         base + c_bwd + acts - sa["lsm"] + g_head + layer_bwd,
-        np.where(per_mb.sum(axis=0) > 1, base + c_last + acts_last + g_done + layer_bwd, -1),
+        np.where(per_mb.sum(axis=0) > 1, base + c_last + acts_last + g_done + last_bwd, -1),
         after_backward + st["temp"],
         np.where(tied_sum > 0, after_backward + tied_sum, -1),
     ])
     zero = np.zeros((B, K), np.int64)
-    transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, layer_bwd, zero, tied_sum])
+    transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, last_bwd, zero, tied_sum])
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
                       c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"],
@@ -186,6 +187,12 @@ def _first_block(per_mb: np.ndarray) -> np.ndarray:
         out[i] = here
         taken |= here
     return out
+
+
+def _first_list(sa: dict, first_block: np.ndarray) -> np.ndarray:
+    """(B, K) one block's saved bytes of the block backward reaches last (its recompute under full checkpointing): a
+    frozen block's list under freeze when the frozen blocks are recorded, an encoder layer's in an encoder-decoder."""
+    return (first_block * np.stack([sa[name] for name in HELD_LISTS])).sum(axis=0)
 
 
 def _last_layer(sa: dict, per_mb: np.ndarray, first_block: np.ndarray, full: np.ndarray, acts: np.ndarray,
@@ -321,10 +328,11 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     mult[:, A.LIST["layer_input"]] = np.where(full, sets.sum(axis=0), 0)
     # full: the layer being recomputed for its backward (the first block's at the last layer's backward)
     rebuilt = np.flatnonzero(full & np.isin(mom, LAYER_BACKWARD))
-    top_is_decoder = sets[1] + sets[3] > 0  # backward starts in an encoder-decoder's decoder
-    first_is_decoder = sets[0] + sets[2] == 0  # and ends there only when no encoder-side block is held
-    decoder = np.where(mom == BACKWARD_LAST, first_is_decoder, top_is_decoder)
-    mult[rebuilt, np.where(decoder, A.LIST["decoder_layer"], A.LIST["layer"])[rebuilt]] += 1
+    top = np.where(sets[1] + sets[3] > 0, A.LIST["decoder_layer"], A.LIST["layer"])  # backward starts in a decoder
+    # and ends in the first recorded block (step._first_block's order): a frozen one's list under freeze
+    order = np.array([A.LIST[n] for n in ("frozen_layer", "layer", "frozen_decoder_layer", "decoder_layer")])
+    first_list = order[np.argmax(np.stack([sets[2], sets[0], sets[3], sets[1]]) > 0, axis=0)]
+    mult[rebuilt, np.where(mom == BACKWARD_LAST, first_list, top)[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
     mult[:, A.LIST["head_saved"]] = last & (mom != BACKWARD_LAST)  # the current micro batch's head is done by then
     for moment_i, name in MOMENT_LIST.items():  # every stage runs its layers' backward, the last one the loss
