@@ -757,17 +757,22 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     stream's dtype (masking_utils; the scaled die); the fp32 copy a half input gets for an fp32 softmax; the softmax
     output (the copy dies); an encoder's dropout output in the softmax's width, which the PV matmul casts (alive to
     the block's end); the rest of the core; then the scores' last form dies. The core's saved tensors (kind CORE:
-    under GQA the expanded k and v first) are markers into `layer`. Families with their own eager core (Falcon's,
-    GPT-OSS's sinks) have none: the replay makes their list in order."""
+    under GQA the expanded k and v first) are markers into `layer`. GPT-OSS's own core (its sinks) has none: the
+    replay makes its list in order. FalconAttention's own eager core (traced, bf16: bmm, add, _softmax, _to_copy):
+    the scores, scaled in place, the mask added in the hidden states' dtype, the softmax output, then the masked and
+    the raw scores die."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
-    if attn != "eager" or spec.is_mla or not core or fam.eager_score_tensors or fam.attention_sinks:
+    if attn != "eager" or spec.is_mla or not core or fam.attention_sinks:
         return {}
     p = HALF if prec.autocast else prec.act
     sm = _softmax_bytes(spec, prec)
     scores = b * spec.num_heads * s * s / tp
     first = 1 if spec.num_heads != spec.num_kv_heads else 0  # repeat_kv's k and v (one entry), before the scores
     seq: list[tuple[int, float]] = [(SAVED - k, 0.0) for k in core[:first]]
+    if fam.eager_score_tensors:
+        seq += [(0, p * scores), (1, prec.residual * scores), (SAVED - core[first], 0.0), (~1, 0.0), (~0, 0.0)]
+        return {"layer_forward": seq + [(SAVED - k, 0.0) for k in core[first + 1:]]}
     seq += [(0, p * scores), (1, p * scores), (~0, 0.0)]
     last, width = 1, p
     if spec.arch == "decoder":
