@@ -752,15 +752,18 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
 def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, prec: Precision, attn: str,
                          tp: int) -> dict[str, list[tuple[int, float]]]:
     """Eager attention's core in a block's forward, in order (transformers 5 eager_attention_forward; traced: Qwen3
-    bf16-pure bmm, mul, add, _to_copy, _softmax, _to_copy; RoBERTa fp16 bmm, mul, _to_copy, _softmax,
-    native_dropout, _to_copy): the scores; scaled (the scores die); a decoder's causal mask added, in the residual
-    stream's dtype (masking_utils; the scaled die); the fp32 copy a half input gets for an fp32 softmax; the softmax
-    output (the copy dies); an encoder's dropout output in the softmax's width, which the PV matmul casts (alive to
-    the block's end); the rest of the core; then the scores' last form dies. The core's saved tensors (kind CORE:
-    under GQA the expanded k and v first) are markers into `layer`. GPT-OSS's own core (its sinks) has none: the
-    replay makes its list in order. FalconAttention's own eager core (traced, bf16: bmm, add, _softmax, _to_copy):
-    the scores, scaled in place, the mask added in the hidden states' dtype, the softmax output, then the masked and
-    the raw scores die."""
+    bf16-pure bmm, mul, add, _to_copy, _softmax, _to_copy; Llama under autocast bmm, mul, add, _softmax; RoBERTa
+    fp16 bmm, mul, _to_copy, _softmax, native_dropout, _to_copy):
+    - the scores; scaled (the scores die); a decoder's causal mask added, in the residual stream's dtype
+      (masking_utils; the scaled die);
+    - the fp32 copy a half input gets for an fp32 softmax, the softmax output (the copy dies);
+    - the probabilities: a decoder with a half query casts the softmax output to it (`.to(query.dtype)`) before the
+      masked scores' name is rebound, so those die after it; otherwise they die first and the PV matmul casts
+      (autocast) an encoder's dropout output, in the softmax's width, which lives to the block's end.
+    The core's saved tensors (kind CORE: under GQA the expanded k and v first) and, behind a dropout output, the
+    block's later ones are markers into `layer`. GPT-OSS's own core (its sinks) has none: the replay makes its list
+    in order. FalconAttention's own core (traced, bf16: bmm, add, _softmax, _to_copy): the scores, scaled in place,
+    the mask added in the hidden states' dtype, the softmax output, then the masked and the raw scores die."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
     if attn != "eager" or spec.is_mla or not core or fam.attention_sinks:
@@ -770,21 +773,24 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     scores = b * spec.num_heads * s * s / tp
     first = 1 if spec.num_heads != spec.num_kv_heads else 0  # repeat_kv's k and v (one entry), before the scores
     seq: list[tuple[int, float]] = [(SAVED - k, 0.0) for k in core[:first]]
+    softmax, rest = [(SAVED - core[first], 0.0)], [(SAVED - k, 0.0) for k in core[first + 1:]]
     if fam.eager_score_tensors:
-        seq += [(0, p * scores), (1, prec.residual * scores), (SAVED - core[first], 0.0), (~1, 0.0), (~0, 0.0)]
-        return {"layer_forward": seq + [(SAVED - k, 0.0) for k in core[first + 1:]]}
-    seq += [(0, p * scores), (1, p * scores), (~0, 0.0)]
-    last, width = 1, p
-    if spec.arch == "decoder":
-        width = prec.residual
-        seq += [(2, width * scores), (~1, 0.0)]
-        last = 2
+        return {"layer_forward": seq + [(0, p * scores), (1, prec.residual * scores)] + softmax
+                + [(~1, 0.0), (~0, 0.0)] + rest}
+    decoder = spec.arch == "decoder"
+    width = prec.residual if decoder else p  # the scores' last form: a decoder's masked, an encoder's scaled
+    seq += [(0, p * scores), (1, p * scores), (~0, 0.0)] + ([(2, width * scores), (~1, 0.0)] if decoder else [])
+    scores_at = 2 if decoder else 1
     copy = sm == FP32 and width != FP32
-    seq += ([(3, FP32 * scores)] if copy else []) + [(SAVED - core[first], 0.0)] + ([(~3, 0.0)] if copy else [])
-    dropped = spec.arch != "decoder" and spec.attention_dropout > 0 and sm != p
-    seq += [(4, sm * scores)] if dropped else []
-    seq += [(SAVED - k, 0.0) for k in core[first + 1:]] + [(~last, 0.0)] + ([(~4, 0.0)] if dropped else [])
-    return {"layer_forward": seq}
+    seq += ([(3, FP32 * scores)] if copy else []) + softmax + ([(~3, 0.0)] if copy else [])
+    half_query = p == HALF and not (prec.autocast and rotary_in_stream_dtype(spec))
+    if decoder and half_query:
+        return {"layer_forward": seq + rest + [(~scores_at, 0.0)]}
+    seq += [(~scores_at, 0.0)]
+    if not decoder and spec.attention_dropout > 0 and sm != p:
+        later = [(SAVED - k, 0.0) for k in range(core[-1] + 1, len(layer))]
+        return {"layer_forward": seq + [(4, sm * scores)] + rest + later + [(~4, 0.0)]}
+    return {"layer_forward": seq + rest}
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,

@@ -225,7 +225,13 @@ def freeze_trains(spec: ModelSpec, t: Tuning, g: ParamGroup, block: int) -> bool
 
 def head_stack(spec: ModelSpec, module: str) -> bool:
     """A module of a block of the stack next to the head (the decoder's of an encoder-decoder)."""
-    return "*" in module and (not spec.num_decoder_layers or module.startswith("decoder."))
+    return "*" in module and (not spec.num_decoder_layers or in_decoder(spec, module))
+
+
+def in_decoder(spec: ModelSpec, module: str) -> bool:
+    """A module of an encoder-decoder's decoder: a `decoder` in its path (T5's decoder.block.*, BART's
+    model.decoder.layers.*)."""
+    return bool(spec.num_decoder_layers) and "decoder" in module.split(".")
 
 
 def stack_blocks(spec: ModelSpec) -> int:
@@ -243,7 +249,7 @@ def final_norm(spec: ModelSpec, g: ParamGroup) -> bool:
     LayerNorm (BERT, DistilBERT), and of an encoder-decoder the decoder's (T5's encoder.final_layer_norm
     feeds the cross-attention, not the head)."""
     return (g.category == "norms" and "*" not in g.module and "embed" not in g.module
-            and (spec.num_decoder_layers == 0 or g.module.startswith("decoder.")))
+            and (spec.num_decoder_layers == 0 or in_decoder(spec, g.module)))
 
 
 def tied_embedding(spec: ModelSpec, g: ParamGroup) -> bool:
@@ -381,7 +387,7 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
         key = (parent, n_in, leaf in OUTPUT_PROJECTIONS)
         if "*" not in g.module:
             stack, per = "head", g.count
-        elif spec.num_decoder_layers and g.module.startswith("decoder."):
+        elif in_decoder(spec, g.module):
             stack, per = "decoder_layer", g.count // spec.num_decoder_layers
         else:
             stack, per = "layer", g.count // spec.num_layers

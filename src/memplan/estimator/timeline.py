@@ -16,8 +16,9 @@ from typing import NamedTuple
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
 from memplan.estimator.allocator import CachingAllocator
-from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, records_frozen_blocks,
-                                       stack_blocks, stored_tensors, tied_embedding, trained_blocks, tuned_params)
+from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
+                                       records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
+                                       trained_blocks, tuned_params)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
@@ -91,7 +92,7 @@ class _Sim:
 class _Block(NamedTuple):
     """One block of the stack as the replay runs it."""
 
-    saved: list[Tensors]  # what autograd keeps (a frozen block's list under freeze; empty: not recorded)
+    saved: list[Tensors]  # what autograd keeps (a frozen block's list under freeze; empty when not recorded)
     groups: list[tuple[int, int]]  # (group index, tensors of it in this block)
     recorded: bool  # autograd records it: it has a backward
 
@@ -116,7 +117,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
     for i, g in enumerate(groups):
         if "*" not in g.module:  # outside the blocks: the embeddings, the head, a final norm
             continue
-        blocks = stacks["decoder" if dec and g.module.startswith("decoder.") else "encoder"]
+        blocks = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
         if t.method == "freeze" and head_stack(spec, g.module):
             blocks = trained_range if g.trainable else range(head.start, trained_range.start)
         for b, n in _spread(g.count, blocks).items():
@@ -206,8 +207,8 @@ class _Step:
         marks = {SAVED - n for n, _ in seq if n <= SAVED}
         if not marked or not marks <= set(range(len(saved))):
             seq, marks = [(n, b) for n, b in seq if n > SAVED], set()
-        lo = min(marks, default=len(saved))
-        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k < lo}
+        first_marked = min(marks, default=len(saved))
+        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k < first_marked}
         live: dict[int, int] = {}
         for n, nbytes in seq:
             if n >= 0:
@@ -217,7 +218,7 @@ class _Step:
             elif ~n in live:
                 self.sim.free([live.pop(~n)])
         self.sim.free(list(live.values()))
-        return keys | {k: self.tensors([t]) for k, t in enumerate(saved) if k > lo and k not in marks}
+        return keys | {k: self.tensors([t]) for k, t in enumerate(saved) if k > first_marked and k not in marks}
 
     def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
         """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
@@ -227,12 +228,12 @@ class _Step:
         if not block.recorded:
             self.sim.free(self.tensors(self.am.layer) + casts)  # nothing requires a gradient yet
             return []
-        mine = block.saved is self.am.layer  # the sequence's markers name the layer list's tensors
+        layer_list = block.saved is self.am.layer  # the sequence's markers name the layer list's tensors
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
             cached += casts
-            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, mine)))
+            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list)))
             return self.tensors(self.am.layer_input)
-        return casts + _flat(self.ordered("layer_forward", block.saved, mine))
+        return casts + _flat(self.ordered("layer_forward", block.saved, layer_list))
 
     @property
     def traced(self) -> bool:
@@ -335,4 +336,5 @@ class _Step:
 
 
 def _flat(keys: dict[int, list[int]]) -> list[int]:
+    """The keys of `ordered`'s entries, in list order."""
     return [key for k in sorted(keys) for key in keys[k]]

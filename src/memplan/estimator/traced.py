@@ -246,13 +246,21 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     sequences = tuple(_sequence(points, [m["sequences"][name] for m in kept]) for name in SEQUENCES)
     # a saved storage's marker names its place in its region's list: kept where that list is the step's (one traced
     # block per stack, its storages fitted one by one)
-    last = kept[0]["order"][-1]
-    lists = {"layer_forward": (layer, kept[0]["saved"].get(f"block{last}", []) if enc[1:] == [last] else None),
-             "loss_forward": (head, kept[0]["saved"].get("head", []))}
-    sequences = tuple(q if name not in lists or lists[name][1] is not None and len(lists[name][0]) == len(lists[name][1])
-                      else tuple((n, c) for n, c in q if n > SAVED) for name, q in zip(SEQUENCES, sequences))
+    sequences = tuple(q if _markers_fit(name, layer, head, kept[0], enc) else tuple((n, c) for n, c in q if n > SAVED)
+                      for name, q in zip(SEQUENCES, sequences))
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
                         round(time.perf_counter() - t0, 2), path, sequences)
+
+
+def _markers_fit(name: str, layer: tuple, head: tuple, m: dict, enc: list[int]) -> bool:
+    """Whether sequence `name`'s markers name the step's list: the head's, or one traced block's whose storages were
+    fitted one by one (the last block's markers; one traced block per stack)."""
+    last_block = m["order"][-1]
+    if name == "loss_forward":
+        return len(head) == len(m["saved"].get("head", []))
+    if name == "layer_forward":
+        return enc[1:] == [last_block] and len(layer) == len(m["saved"].get(f"block{last_block}", []))
+    return True
 
 
 def _total(m: dict, k: int) -> int:

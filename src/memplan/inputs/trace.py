@@ -230,8 +230,8 @@ def sequence(allocs, events, ours, saved: set[int], lo: int, hi: int,
              own: list[int] | tuple = ()) -> list[tuple[str, int, int]]:
     """The window's own storages in order, for the estimator's replay (estimator/timeline.py): (op, n, bytes) for the
     n-th storage born in it, (op, ~n, 0) when it dies in it, (op, SAVED - k, 0) where the k-th of `own` (the region's
-    saved storages: the block's, the head's) is born. A saved storage born here is left to the step's lists, and storages born before the
-    window are not the window's."""
+    saved storages: the block's, the head's) is born. A saved storage born here is left to the step's lists, and
+    storages born before the window are not the window's."""
     ids: dict[int, int] = {}
     place = {i: k for k, i in enumerate(own)}
     out = []
