@@ -78,6 +78,11 @@ class WeightFormat:
     compute: str  # dtype of activations
     source: str
 
+    @property
+    def quantised(self) -> bool:
+        """bitsandbytes' formats (int8, int4): the linear layers stored below the rest's half width."""
+        return self.linear < self.other
+
 
 # bitsandbytes LLM.int8: int8 weight + one fp32 scale per output row (SCB) ~ 1 B/param.
 # bitsandbytes NF4 (BitsAndBytesConfig default, no double quant): 4 bit + one fp32 absmax per block of

@@ -25,9 +25,6 @@ from typing import Any
 from memplan.errors import UserError
 from memplan.estimator.rules import WEIGHT_FORMATS
 from memplan.inputs.workload import Workload
-from memplan.search.cost import SERVING_KERNELS
-
-QUANTISED = tuple(SERVING_KERNELS)  # the bitsandbytes weight formats: int8, int4
 
 
 def weight_dtype(w: Workload):
@@ -37,7 +34,7 @@ def weight_dtype(w: Workload):
 
     fmt = WEIGHT_FORMATS[w.precision]
     half = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[fmt.compute]
-    if fmt.name.endswith("-pure") or fmt.name in QUANTISED:
+    if fmt.name.endswith("-pure") or fmt.quantised:
         return half, None
     return torch.float32, half
 
@@ -111,11 +108,11 @@ def _model(config, head: str | None, w: Workload, device: str, dtype):
     if head not in (None, "causal-lm") and w.max_new_tokens:
         raise UserError(f"verify --task infer generates with a causal-lm head; head {head!r} has no generate "
                         "(drop --max-new-tokens to verify one scoring forward)")
-    if w.precision in QUANTISED and device == "meta":
+    if WEIGHT_FORMATS[w.precision].quantised and device == "meta":
         raise UserError(f"--device fake cannot verify --precision {w.precision} (bitsandbytes' quantised weights "
                         "cannot hold fake tensors); use --device cpu with a small model, or cuda")
     model, head = build(config, head, w.attn, device, dtype)
-    if w.precision in QUANTISED:
+    if WEIGHT_FORMATS[w.precision].quantised:
         methods.quantise(model, serving_quantization_config(w))
     return model.eval(), head
 
