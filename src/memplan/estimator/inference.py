@@ -96,7 +96,7 @@ def dequantised_copy(spec: ModelSpec, fmt: WeightFormat, rows: int) -> int:
 def _half_experts_note(spec: ModelSpec, fmt: WeightFormat) -> list[str]:
     """bitsandbytes weights: say so where a MoE layer's fused experts stay half (weight_bytes)."""
     half = sum(g.total for g in spec.params if g.category == "experts" and not quantised(spec, g))
-    if fmt.name not in SERVING_KERNELS or not half:
+    if not fmt.quantised or not half:
         return []
     return [f"--precision {fmt.name}: transformers converts nn.Linear layers to bitsandbytes; the fused experts "
             f"({half / 1e9:.1f} B parameters) are not Linear modules and stay half "

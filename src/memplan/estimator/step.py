@@ -46,6 +46,9 @@ MOMENT_LIST = {FORWARD_LOSS: "loss_forward", BACKWARD_START: "loss_backward", BA
 LAYER_BACKWARD = (BACKWARD_LAYER, BACKWARD_LAST)
 # the per-layer activation lists, one set per layer and micro batch held (StageCells.held)
 HELD_LISTS = ("layer", "decoder_layer", "frozen_layer", "frozen_decoder_layer")
+# the order in which a step's forward meets them, by HELD_LISTS index: a frozen encoder-side block before the trained
+# ones under freeze, an encoder layer before a decoder's; backward reaches the first of these last
+FORWARD_ORDER = (2, 0, 3, 1)
 
 
 # -- one pipeline stage over the table -------------------------------------------------------------
@@ -179,10 +182,9 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
 def _first_block(per_mb: np.ndarray) -> np.ndarray:
     """(4, B, K) one-hot of the HELD list of the block backward reaches last: the first recorded one (a frozen
     block before the trained ones under freeze; an encoder layer before a decoder's)."""
-    order = (2, 0, 3, 1)  # frozen encoder, encoder (or decoder-only), frozen decoder, decoder
     out = np.zeros_like(per_mb)
     taken = np.zeros(per_mb.shape[1:], bool)
-    for i in order:
+    for i in FORWARD_ORDER:
         here = (per_mb[i] > 0) & ~taken
         out[i] = here
         taken |= here
@@ -204,7 +206,7 @@ def _last_layer(sa: dict, per_mb: np.ndarray, first_block: np.ndarray, full: np.
     XLM-RoBERTa's full-checkpointing steps peak there, 4-5 % above the first layer's backward)."""
     lists = np.stack([sa[name] for name in HELD_LISTS])  # (4, B, K) one block's saved bytes, by HELD list
     blocks = np.where(full, per_mb.sum(axis=0) * sa["layer_input"], (per_mb * lists).sum(axis=0))
-    first = np.where(full, sa["layer_input"], (first_block * lists).sum(axis=0))
+    first = np.where(full, sa["layer_input"], _first_list(sa, first_block))
     acts_last = acts - blocks - sa["head_saved"] + first
     trained = per_mb[0] + per_mb[1]
     frozen_first = (first_block[2] + first_block[3]) > 0  # freeze: every trained layer is done by then
@@ -329,9 +331,9 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     # full: the layer being recomputed for its backward (the first block's at the last layer's backward)
     rebuilt = np.flatnonzero(full & np.isin(mom, LAYER_BACKWARD))
     top = np.where(sets[1] + sets[3] > 0, A.LIST["decoder_layer"], A.LIST["layer"])  # backward starts in a decoder
-    # and ends in the first recorded block (step._first_block's order): a frozen one's list under freeze
-    order = np.array([A.LIST[n] for n in ("frozen_layer", "layer", "frozen_decoder_layer", "decoder_layer")])
-    first_list = order[np.argmax(np.stack([sets[2], sets[0], sets[3], sets[1]]) > 0, axis=0)]
+    # and ends in the first recorded block in FORWARD_ORDER: a frozen one's list under freeze
+    order = np.array([A.LIST[HELD_LISTS[i]] for i in FORWARD_ORDER])
+    first_list = order[np.argmax(np.stack([sets[i] for i in FORWARD_ORDER]) > 0, axis=0)]
     mult[rebuilt, np.where(mom == BACKWARD_LAST, first_list, top)[rebuilt]] += 1
     mult[:, A.LIST["embed"]] = first
     mult[:, A.LIST["head_saved"]] = last & (mom != BACKWARD_LAST)  # the current micro batch's head is done by then

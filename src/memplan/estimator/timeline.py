@@ -1,7 +1,9 @@
 """Reserved memory from the estimator's own allocations, in order: the tensors the estimate counts (each parameter,
 each layer's saved activations and autocast copies, the loss's and each layer's backward transients, gradients,
 optimizer states and temporaries) allocated and freed in the order a training step makes them, replayed through
-the caching-allocator simulation (estimator/allocator.py) in both allocator modes (docs/estimator.md).
+the caching-allocator simulation (estimator/allocator.py) in both allocator modes (docs/estimator.md). Where the
+activation model has a sequence (ActivationModel.sequences: a traced model's windows and block forward, an analytic
+model's eager attention core) its storages are made and freed in that order, the saved tensors born at their markers.
 
 For one GPU holding a whole replica (no TP / PP / ZeRO / FSDP, not QLoRA): the estimate of one configuration and
 the plans suggest shows; the search ranks with the segment arithmetic of meters.py. Two optimizer steps (the
@@ -100,8 +102,8 @@ class _Block(NamedTuple):
 def _spread(count: int, blocks: range) -> dict[int, int]:
     """`count` tensors of a group over `blocks`, as evenly as they go (a group only the first block has, e.g.
     T5's relative_attention_bias: the first)."""
-    n = len(blocks)
-    return {b: count // n + (j < count % n) for j, b in enumerate(blocks) if count // n + (j < count % n)}
+    share = [count // len(blocks) + (j < count % len(blocks)) for j in range(len(blocks))]
+    return {b: n for b, n in zip(blocks, share) if n}
 
 
 def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: ActivationModel) -> list[_Block]:
@@ -149,6 +151,9 @@ class _Step:
         self.groups = tuned_params(k.spec, k.tuning)
         self.am: ActivationModel = k.acts.model(k.micro_batch)
         self.blocks = block_table(k.spec, k.tuning, self.groups, self.am)
+        # the embedding matrix a tied LM head uses (None: no tied head)
+        self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
+            if tied_head(k.spec) else None
         self.grads: dict[int, list[int]] = {}  # a group's index -> its gradients' keys
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
@@ -173,9 +178,8 @@ class _Step:
 
     def tied_cast(self) -> list[int]:
         """The tied head's matmul casts the fp32 embedding matrix (states.autocast_copies counts it too)."""
-        g = next((g for g in self.groups if tied_embedding(self.spec, g)), None)
-        if not (self.prec.autocast and tied_head(self.spec) and g is not None
-                and element_bytes(g, self.prec.param) == FP32):
+        g = None if self.tied is None else self.groups[self.tied]
+        if not (self.prec.autocast and g is not None and element_bytes(g, self.prec.param) == FP32):
             return []
         return [self.sim.alloc(g.numel * HALF)]
 
@@ -250,7 +254,7 @@ class _Step:
         for b, keys in reversed(list(zip(self.blocks, held))):  # full: its forward again; selective: its core
             if b.recorded:
                 self.layer_backward(b, keys, b.saved if again is None else again)
-        if tied_head(self.spec) and self._tied_trains():  # the embedding's dense gradient and its sum with the head's
+        if self.tied is not None and self.groups[self.tied].trainable:  # the embedding's dense gradient, its sum
             v = self.spec.vocab_size * self.spec.hidden_size * self.prec.grad
             self.sim.free([self.sim.alloc(v), self.sim.alloc(v)])
         for i, g in enumerate(self.groups):
@@ -288,13 +292,9 @@ class _Step:
             cast = self.tensors(self.am.loss_forward[:1]) if len(self.am.loss_forward) > 1 else []
             self.sim.free(grads[1:])
         for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
-            if g.category == "head" or tied_head(self.spec) and tied_embedding(self.spec, g):
+            if g.category == "head" or i == self.tied:
                 self.grad(i, g.count)
         self.sim.free(cast + head)
-
-    def _tied_trains(self) -> bool:
-        """The tied embedding matrix gets a gradient (LoRA and freeze leave it frozen)."""
-        return any(g.trainable and tied_embedding(self.spec, g) for g in self.groups)
 
     def layer_backward(self, block: _Block, held: list[int], recomputed: list[Tensors]) -> None:
         """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts; a

@@ -12,7 +12,9 @@ fitted to
 two spare ones measure the fit (`Coefficients.fit_error`). A saved storage is matched across the traces by its
 place in its region; a window's moments by their op sequence (difflib), since a shape that makes a copy a
 no-op at b = 1 adds an event at b = 2. At a workload the window's transient is the largest of its fitted
-moments, so a moment that overtakes another at long sequences is found.
+moments, so a moment that overtakes another at long sequences is found. The windows' storages in order (and a
+block's forward's) are kept as sequences for the replay of reserved memory: each storage's bytes fitted the same
+way, the events every trace has (`_sequence`).
 
 The coefficients are cached on disk (`cache_dir()`), one JSON file per key, named by a hash of the key (the
 config's content and the versions of transformers, torch and this format), and in memory by the key.

@@ -15,7 +15,10 @@ block's forward, and the last block's backward, begin and end. From the timeline
 - lsm: the head's saved storages freed before the last block's backward starts (the loss's log-softmax);
 - the transient bytes above the saved ones at every allocation of three windows: the loss (after the last
   block, in the forward), the start of backward (until the last block's backward starts) and the last block's
-  backward, each as a series over the window's events.
+  backward, each as a series over the window's events;
+- for the estimator's replay of reserved memory (estimator/timeline.py), the storages of those windows and of the
+  last block's forward in order: each birth, each death inside the window, and where the block's (or the head's)
+  saved storages are born (`sequence`).
 Weights, autocast's weight casts, gradients, the optimizer's tensors and the batch are left out: the step model
 counts them itself.
 """
