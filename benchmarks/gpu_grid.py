@@ -5,6 +5,7 @@ reserved memory of the estimate's own allocations replayed through the allocator
 
     python benchmarks/gpu_grid.py [--max-seconds 420] [--out benchmarks/results/gpu_grid]
     python benchmarks/gpu_grid.py --dry-run      # the grid and its predictions; no GPU needed
+    python benchmarks/gpu_grid.py --summary benchmarks/results/gpu_lease/gpu_grid*.json   # errors of runs made
 
 Each run is `memplan verify --device cuda --json` in a fresh process: its own CUDA context, and the allocator
 settings (PYTORCH_ALLOC_CONF and its older alias PYTORCH_CUDA_ALLOC_CONF) set before CUDA starts, expandable
@@ -45,9 +46,29 @@ GRID = [
     dict(model="qwen2.5-0.5b", seq_len=2048, micro_batch=4, precision="bf16", attn="sdpa"),
     dict(model="qwen2.5-0.5b", seq_len=2048, micro_batch=8, precision="bf16", attn="sdpa", grad_ckpt="full"),
 ]
-STEPS = 4  # the first creates the optimizer state; verify's step time is the median of the steps after it
+# the reserved meter's evidence beyond the issue's grid: GradScaler, encoder-decoder, LoRA and freeze, selective
+# recompute, Adafactor and SGD, 7-8B models, and the micro batch's effect on the step time (bert-large b1 / b32)
+WIDE = [
+    dict(model="gpt2", seq_len=1024, micro_batch=8, precision="fp16", attn="sdpa"),
+    dict(model="t5-base", seq_len=512, micro_batch=8, precision="bf16", attn="sdpa"),
+    dict(model="roberta-base", seq_len=512, micro_batch=16, precision="fp16", attn="eager"),
+    dict(model="llama-3.1-8b", seq_len=2048, micro_batch=2, precision="bf16", attn="sdpa", method="lora"),
+    dict(model="bert-base", seq_len=512, micro_batch=32, precision="fp32", attn="sdpa", method="freeze",
+         trainable_layers=2),
+    dict(model="qwen3-0.6b", seq_len=2048, micro_batch=8, precision="bf16", attn="sdpa", grad_ckpt="selective"),
+    dict(model="mistral-7b", seq_len=2048, micro_batch=4, precision="bf16", attn="sdpa", method="lora",
+         grad_ckpt="full"),
+    dict(model="pythia-1.4b", seq_len=1024, micro_batch=8, precision="fp16", attn="sdpa", optim="adafactor"),
+    dict(model="llama-3.2-3b", seq_len=2048, micro_batch=8, precision="bf16", attn="sdpa", grad_ckpt="full"),
+    dict(model="bert-large", seq_len=512, micro_batch=32, precision="bf16", attn="sdpa"),
+    dict(model="bert-large", seq_len=512, micro_batch=1, precision="bf16", attn="sdpa"),
+    dict(model="opt-1.3b", seq_len=1024, micro_batch=4, precision="fp32", attn="eager", optim="sgd"),
+]
+GRIDS = {"issue": GRID, "wide": WIDE}
+STEPS = 6  # the first creates the optimizer state; verify's step time is the median of the steps after it
 MODES = (False, True)  # expandable segments off, on
 RUN_TIMEOUT_S = 300  # one verify run, model build included
+GIVE_UP = 3  # runs failing one after another: the harness or the stack is broken, stop spending the lease
 
 
 def command(case: dict, expandable: bool) -> list[str]:
@@ -75,7 +96,7 @@ def run_one(case: dict, expandable: bool) -> dict:
         if p.returncode == 0:
             out["verify"] = json.loads(p.stdout)
         else:
-            out["stderr"] = p.stderr.strip().splitlines()[-1:]
+            out["stderr"] = p.stderr.strip().splitlines()[-40:]  # the traceback, for a lease that ends
     except subprocess.TimeoutExpired:
         out |= {"returncode": None, "stderr": [f"timed out after {RUN_TIMEOUT_S} s"]}
     except json.JSONDecodeError as e:
@@ -93,7 +114,7 @@ def row(r: dict) -> str:
     case, mode = r["case"], "expandable" if r["expandable_segments"] else "default"
     label = " ".join(f"{k}={v}" for k, v in case.items())
     if r["returncode"] != 0:
-        return f"| {label} | {mode} | failed: {' '.join(r.get('stderr', []))} |||||"
+        return f"| {label} | {mode} | failed: {(r.get('stderr') or [''])[-1]} |||||"
     v = r["verify"]
     est, meters = v["estimate"], {m["meter"]: m for m in v["meters"]}
     replay = (est.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default",
@@ -123,11 +144,11 @@ def report(results: list[dict], device: str, cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dry_run() -> None:
+def dry_run(grid: list[dict]) -> None:
     """The grid with its predictions (no GPU): what a lent GPU would be asked to measure."""
-    for case in GRID:
+    for case in grid:
         for expandable in MODES:
-            e = memplan.estimate(case["model"], "h100-80g", simulate=True, expandable_segments=expandable,
+            e = memplan.estimate(case["model"], "h200", simulate=True, expandable_segments=expandable,
                                  **{k: v for k, v in case.items() if k != "model"})
             mode = "expandable_segments" if expandable else "default"
             replay = e.by_allocator[mode].get("simulated_reserved_bytes", 0)
@@ -136,34 +157,72 @@ def dry_run() -> None:
                   f"{replay / MiB:,.0f} MiB")
 
 
+def _errors(r: dict) -> dict:
+    """One run's errors (predicted / measured - 1): both reserved meters, allocated, the step time."""
+    v = r["verify"]
+    meters = {m["meter"]: m for m in v["meters"]}
+    mode = "expandable_segments" if r["expandable_segments"] else "default"
+    measured = meters["peak_reserved"]["measured_bytes"]
+    return {"arithmetic": meters["peak_reserved"]["predicted_bytes"] / measured - 1,
+            "replay": v["estimate"]["by_allocator"][mode]["simulated_reserved_bytes"] / measured - 1,
+            "allocated": meters["peak_allocated"]["predicted_bytes"] / meters["peak_allocated"]["measured_bytes"] - 1,
+            "step": v["estimate"]["step_time_s"] / v["step_time_s"] - 1,
+            "context_mib": (meters["device_used"]["measured_bytes"] - measured) / MiB}
+
+
+def summary(paths: list[str]) -> str:
+    """Median and extremes of each error over the runs of committed results files."""
+    runs = [_errors(r) for p in paths for r in json.loads(pathlib.Path(p).read_text())["results"]
+            if r["returncode"] == 0]
+    lines = [f"{len(runs)} runs of {', '.join(paths)}", "| error | median abs | min | max | under |",
+             "|---|---:|---:|---:|---:|"]
+    for k in ("arithmetic", "replay", "allocated", "step"):
+        e = [x[k] for x in runs]
+        lines.append(f"| {k} | {100 * statistics.median(map(abs, e)):.1f} % | {100 * min(e):+.1f} % | "
+                     f"{100 * max(e):+.1f} % | {sum(x < 0 for x in e)} |")
+    ctx = sorted({round(x["context_mib"], 1) for x in runs})
+    return "\n".join(lines + [f"NVML used - reserved (MiB): {ctx}"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-seconds", type=float, default=420.0, help="start no run past this many seconds")
     ap.add_argument("--out", default=str(HERE / "results" / "gpu_grid"))
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its predictions (no GPU)")
+    ap.add_argument("--summary", nargs="+", metavar="JSON", help="summarise committed results files and exit")
+    ap.add_argument("--grid", choices=list(GRIDS), default="issue", help="issue: the issue's grid; wide: beyond it")
     args = ap.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        return 0
     if args.dry_run:
-        dry_run()
+        dry_run(GRIDS[args.grid])
         return 0
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_grid: no CUDA GPU is visible to torch (use --dry-run to see the grid)", file=sys.stderr)
         return 2
+    import transformers
+
     device, t0, results = torch.cuda.get_device_name(), time.perf_counter(), []
+    stack = {"torch": torch.__version__, "transformers": transformers.__version__, "memplan": memplan.__version__}
     cmd = ("python benchmarks/gpu_grid.py " + " ".join(sys.argv[1:])).strip()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for case in GRID:
+    for case in GRIDS[args.grid]:
         longest = max((r["seconds"] for r in results), default=0.0)
         if time.perf_counter() - t0 + len(MODES) * longest > args.max_seconds:
             break
         for expandable in MODES:
             results.append(run_one(case, expandable))
             print(row(results[-1]), flush=True)
-            out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": device, "results": results},
-                                                           indent=1))
+            doc = {"command": cmd, "device": device, "stack": stack, "results": results}
+            out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
             out.with_suffix(".md").write_text(report(results, device, cmd))
+            if len(results) >= GIVE_UP and all(r["returncode"] != 0 for r in results[-GIVE_UP:]):
+                print("\n".join(results[-1].get("stderr", [])), file=sys.stderr)
+                return 1
     return 0
 
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# What a lent GPU is asked to measure, in one call of the device tool (benchmarks/README.md):
+#   run: bash benchmarks/gpu_lease.sh        carry: .whl        timeout_s: 600
+# The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
+# .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
+# typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
+# time limit and writes under $OUT as it goes, so a step that fails or runs long leaves the others' results.
+set -u
+OUT=${OUT:-benchmarks/results/gpu_lease}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:src
+else
+  export PYTHONPATH=src
+fi
+export PYTHONUNBUFFERED=1
+{ nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
+transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+echo "== gpu_grid"
+timeout 330 python3 benchmarks/gpu_grid.py --max-seconds 270 --out "$OUT/gpu_grid"
+echo "== gpu_ops"
+timeout 60 python3 benchmarks/gpu_ops.py --out "$OUT/gpu_ops.json"
+echo "== kernel_speed"
+timeout 75 python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed.json"
+echo "== cuda tests"
+timeout 80 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_attention.py tests/test_verify.py \
+  tests/test_triton_cross_entropy.py tests/test_mlp.py >"$OUT/cuda_tests.txt" 2>&1
+tail -5 "$OUT/cuda_tests.txt"
