@@ -274,6 +274,12 @@ def records_frozen_blocks(spec: ModelSpec, t: Tuning) -> bool:
     return t.method != "freeze" or trains_embeddings(spec, t)
 
 
+def recorded_layers(spec: ModelSpec, t: Tuning) -> int:
+    """Layers that have a backward: all of them, but under freeze without a trained embedding only the trained
+    blocks (records_frozen_blocks; timeline.block_table's recorded flag)."""
+    return spec.total_layers if records_frozen_blocks(spec, t) else trained_blocks(spec, t)
+
+
 def cast_kept(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
     """Whether the half copy autocast makes of this fp32 weight lives through backward. Autocast caches the
     cast of a weight that requires a gradient (ATen autocast_mode.cpp cached_cast: leaf tensors that require

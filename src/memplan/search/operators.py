@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from memplan.estimator.activations import norms_per_layer
 from memplan.estimator.families import family
-from memplan.estimator.finetune import Tuning, quantised, tuned_params
+from memplan.estimator.finetune import Tuning, quantised, recorded_layers, records_frozen_blocks, tuned_params
 from memplan.estimator.parallel import tp_shape
 from memplan.inputs.modelspec import LM_HEADS, ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
@@ -112,10 +112,12 @@ class OpsKey(NamedTuple):
         return cls(spec, Tuning.of(w), w.tp, w.sp, w.attn, w.grad_ckpt, w.kernels, w.tiled_mlp)
 
 
-def _gemm(spec: ModelSpec, g: ParamGroup, tp: int) -> Gemm | None:
-    """The matmul a weight takes part in, or None (norms, biases, embeddings, a classifier on one token)."""
+def _gemm(spec: ModelSpec, g: ParamGroup, tp: int, recorded: bool) -> Gemm | None:
+    """The matmul a weight takes part in, or None (norms, biases, embeddings, a classifier on one token).
+    recorded: autograd records the frozen weights' matmuls (finetune.records_frozen_blocks), so they compute their
+    input's gradient; else a frozen weight runs forward only."""
     shape = tp_shape(g.shape, tp)
-    passes = 3 if g.trainable else 2
+    passes = 3 if g.trainable else 1 + recorded
     if g.category == "experts" and len(shape) == 3:  # fused experts (E, out, in): each expert sees K/E of the tokens
         e = shape[0]
         share = 1.0 if family(spec.model_type).moe_all_experts else spec.experts_per_token / spec.num_experts
@@ -142,33 +144,38 @@ def step_ops(key: OpsKey) -> StepOps:
     loss computes the head's forward again in backward, its tiled MLP each MLP's."""
     spec, tp, full = key.spec, key.tp, key.recompute == "full"
     params = tuned_params(spec, key.tuning)
+    recorded = records_frozen_blocks(spec, key.tuning)
     layer, head = [], []
     for g in params:
-        gm = _gemm(spec, g, tp)
+        gm = _gemm(spec, g, tp, recorded)
         if gm is None or (g.category == "head" and spec.head not in LM_HEADS):
             continue
-        again = full and g.category != "head" or key.tiled_mlp and g.category == "mlp" or (
+        again = full and g.category != "head" and gm.passes > 1 or key.tiled_mlp and g.category == "mlp" or (
             key.kernels and g.category == "head")
         (head if g.category == "head" else layer).append(gm._replace(passes=gm.passes + again))
     if spec.tie_embeddings and spec.head in LM_HEADS:
         emb_trains = any(g.trainable for g in params if g.category == "embeddings")
         head.append(Gemm(1.0, -(-spec.vocab_size // tp), spec.hidden_size, 1, 2 + emb_trains + key.kernels))
     L = spec.total_layers
+    # freeze: the frozen blocks below the trained ones run forward only (no backward, nothing to recompute)
+    back = recorded_layers(spec, key.tuning) / max(L, 1)
     heads = -(-spec.num_heads // tp)
     attn_fwd = attention_forward_flops(spec, key.attn, tp)
     core_again = key.recompute in ("full", "selective")
-    again = 1 + FORWARD_SHARE * full
+    # a layer's element moves: FORWARD_SHARE of them forward, the rest backward, the forward again under full
+    again = FORWARD_SHARE + back * (1 - FORWARD_SHARE + FORWARD_SHARE * full)
     fused = key.attn != "eager"
     scores = 0 if fused else heads * L * (EAGER_SCORE_MOVES + (DROPOUT_MOVES if spec.attention_dropout else 0))
     weight_casts, fp32_casts, input_casts = autocast_casts(params, L, fused)
-    return StepOps(tuple(layer), tuple(head), (3 + core_again) * attn_fwd, fused,
-                   scores * (1 + FORWARD_SHARE * core_again), _stream_moves(spec, key) * L * again,
-                   _act_moves(spec, tp) * L * again,
+    launches = L * (1 + back * (2 + full))  # per layer kernel: forward, twice that in backward, the recompute
+    return StepOps(tuple(layer), tuple(head), (1 + back * (2 + core_again)) * attn_fwd, fused,
+                   scores * (FORWARD_SHARE + back * (1 - FORWARD_SHARE + FORWARD_SHARE * core_again)),
+                   _stream_moves(spec, key) * L * again, _act_moves(spec, tp) * L * again,
                    LOSS_BYTES_PER_LOGIT * spec.vocab_size / tp if spec.head in LM_HEADS else 0.0,
-                   sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full),
-                   sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full),
+                   sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full * back),
+                   sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full * back),
                    _embed_grad(spec, params),
-                   L * (3 + full) * (1 if fused else EAGER_KERNELS), L * (3 + full) * LAYER_KERNELS, L,
+                   launches * (1 if fused else EAGER_KERNELS), launches * LAYER_KERNELS, L,
                    weight_casts, input_casts, 1 + full, fp32_casts)
 
 
