@@ -142,6 +142,7 @@ class StageStates(NamedTuple):
     frozen_enc: int = 0  # freeze: frozen blocks autograd records (a frozen block's activations)
     frozen_dec: int = 0
     layer_grads: int = 0  # one replica's gradients of its layers' weights (neither the embeddings' nor the head's)
+    n_trained: int = 0  # of n_params, those that train: what the optimizer, clipping and gradient collectives touch
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -181,7 +182,7 @@ def _stage_states(k: StatesKey) -> StageStates:
         return StageStates(weights, adapters, constants, grads, states, managed, temp, comm, gathered, cpu,
                            grads_persistent, tied, 0, 0, 0, _head_grads(groups, tied, prec.grad),
                            segments_of(persistent), numel(list(groups)), enc, dec,
-                           *_grad_layers(spec, k.tuning, enc, dec))
+                           *_grad_layers(spec, k.tuning, enc, dec), n_trained=numel(list(groups), True))
     return _replica_states(k, groups, enc, dec)
 
 
@@ -210,7 +211,8 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     return StageStates(weights, adapters, constants, grads, states - managed, managed,
                        _step_temporaries(trainable, prec, rule), comm, 0, 0, False, tied, *copies,
                        _head_grads(groups, tied, prec.grad), segments_of(_persistent_tensors(k, groups)),
-                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec), layer_grads)
+                       numel(list(groups)), enc, dec, *_grad_layers(spec, k.tuning, enc, dec), layer_grads,
+                       numel(list(groups), True))
 
 
 def _grad_layers(spec: ModelSpec, t: Tuning, enc: int, dec: int) -> tuple[int, int, int, int]:

@@ -78,6 +78,7 @@ class StageCells(NamedTuple):
     lsm: np.ndarray  # the loss's saved log-softmax output (freed in the last layer's backward)
     cpu: np.ndarray
     n_params: np.ndarray
+    n_trained: np.ndarray
     persistent: np.ndarray  # the persistent tensors' segments
     flight: np.ndarray  # micro batches in flight (float: the interleaved schedule's average)
     held: np.ndarray  # (4, B, K) per-layer activation sets held, layers x micro batches in flight, by HELD list
@@ -176,7 +177,7 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
                       c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"],
-                      st["persistent_segments"], flight, sets, sets - per_mb + first_block, n_layers)
+                      st["n_trained"], st["persistent_segments"], flight, sets, sets - per_mb + first_block, n_layers)
 
 
 def _first_block(per_mb: np.ndarray) -> np.ndarray:
@@ -303,7 +304,7 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
     used = np.where(expandable, modes.device_used_expandable, modes.device_used)
     saved, state = chosen(lambda c: c.acts), chosen(lambda c: c.weights + c.grads + c.states + c.managed)
     params = chosen(lambda c: c.n_params)
-    terms = cost.step_time(spec, gpu, bases, mb, ms, state, params)
+    terms = cost.step_time(spec, gpu, bases, mb, ms, state, params, chosen(lambda c: c.n_trained))
     return Table(allocated, reserved, used, chosen(lambda c: c.cpu), params, saved, state, terms.sum(axis=0), terms,
                  moment, stages, cells, pick_last, modes)
 

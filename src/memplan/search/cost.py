@@ -331,10 +331,12 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
 
 
 def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.ndarray, m: np.ndarray,
-              state: np.ndarray, params: np.ndarray) -> np.ndarray:
+              state: np.ndarray, params: np.ndarray, trained: np.ndarray) -> np.ndarray:
     """(6, B, K) seconds per optimizer step of one data-parallel replica, in StepTime's order, for the
     rows `bases` (one layout) x the micro batches `mb` (m micro batches each); every rank takes the
-    same time. state, params: (B, K) weights + gradients + states, and the parameters one GPU holds."""
+    same time. state, params, trained: (B, K) weights + gradients + states, the parameters one GPU holds, and
+    those of them that train (LoRA's adapters, freeze's trained blocks: the optimizer step, clipping, gradient
+    accumulation and the gradient collectives touch only these; ZeRO-3 / FSDP gather all of them)."""
     w0 = bases[0]
     seq = spec.seq_positions if spec.arch == "vision" else w0.seq_len
     tokens_k = (mb * seq).astype(np.float64)
@@ -357,10 +359,11 @@ def step_time(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mb: np.nd
     act_bytes = np.where(half, HALF, FP32)
     grad_b = _col([PRECISIONS[w.precision].grad for w in bases])
     bw = achievable_bandwidth(gpu)
-    accumulate = (m - 1) * ACCUMULATE_MOVES * params * grad_b / bw
+    accumulate = (m - 1) * ACCUMULATE_MOVES * trained * grad_b / bw
     terms = (micro * m + accumulate, bubble, _tp_comm(spec, gpu, bases, tokens, m, act_bytes),
              _pp_comm(spec, gpu, bases, tokens, m, act_bytes, vpp),
-             _dp_comm(spec, gpu, bases, m, half, params, micro), _optimizer(spec, gpu, bases, m, params, bw))
+             _dp_comm(spec, gpu, bases, m, half, params, trained, micro),
+             _optimizer(spec, gpu, bases, m, params, trained, bw))
     return np.stack([np.broadcast_to(x, state.shape) for x in terms])
 
 
@@ -421,12 +424,13 @@ def zero3_latency(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> float:
     return 3 * units * ring_latency(w.dp, nodes)
 
 
-def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, compute_micro):
-    """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`)."""
+def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, trained, compute_micro):
+    """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`): the gradients
+    of the trained parameters, and under ZeRO-3 / FSDP the gathers of all of them."""
     w0, dp = bases[0], bases[0].dp
     zero = _col([w.zero for w in bases])
     sharded = (zero > 0) | _col([w.fsdp != "none" for w in bases]).astype(bool)
-    g_bytes = params * np.where(half & sharded, HALF, FP32)  # FSDP: reduce_dtype = the half dtype
+    g_bytes = trained * np.where(half & sharded, HALF, FP32)  # FSDP: reduce_dtype = the half dtype
     p_bytes = params * np.where(half, HALF, FP32)
     if dp == 1:
         return np.zeros(params.shape)
@@ -437,7 +441,7 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     # boundary, overlapped with the last micro batch's backward
     z01 = np.maximum(ar * g_bytes - backward, 0.0)
     # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the updated parameters
-    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * p_bytes
+    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * np.where(half, HALF, FP32)
     # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
     # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
     # DeepSpeed fetches a module's parameters when it runs and prefetches at most stage3_prefetch_bucket_size
@@ -467,7 +471,7 @@ def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro)
     return out
 
 
-def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, params, bw: float):
+def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, params, trained, bw: float):
     """The optimizer step: its kernels' bytes (STEP_BYTES, scaled to the master copy's width) with the
     Trainer's gradient clipping (and fp16's unscaling) at the achievable bandwidth; or under offload CPU Adam
     over the GPUs of a node sharing the host's memory bandwidth plus the PCIe copies (half gradients down every
@@ -477,7 +481,7 @@ def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, param
     w0, dp = bases[0], bases[0].dp
     sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
     host = _col([STEP_OPS_PER_TENSOR.get(w.optim, 0) * spec.num_tensors / (w.tp * w.pp) for w in bases])
-    n_opt = params / np.where(sharded, dp, 1)
+    n_opt = trained / np.where(sharded, dp, 1)
     pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
     cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * HALF * n_opt + HALF * n_opt) / pcie)
     all_extra = m * 2 * (params / dp) * HALF / pcie  # up for forward and again for backward
