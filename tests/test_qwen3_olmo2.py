@@ -115,6 +115,20 @@ def test_selective_recompute_holds_the_rotary_q_and_k_in_fp32():
     assert big.peak_allocated_bytes / 2**20 == pytest.approx(75246.357, rel=0.005)
 
 
+def test_speed_model_moves_the_q_k_norms():
+    """The q / k norms are element-wise kernels the step runs: NORM_MOVES per element of q and k per layer, beside
+    the layer's own norms (the same spec read as a llama has none)."""
+    from memplan.inputs.workload import Workload
+    from memplan.search import operators as ops
+
+    spec = resolve_model("qwen3-8b")
+    plain = spec.model_copy(update={"model_type": "llama"})
+    w = Workload(seq_len=512)
+    extra = ops.step_ops(ops.OpsKey.of(spec, w)).stream_moves - ops.step_ops(ops.OpsKey.of(plain, w)).stream_moves
+    qk = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+    assert extra == pytest.approx(ops.NORM_MOVES * qk * spec.num_layers)
+
+
 def test_kernels_and_tiled_mlp_are_planned_for_both():
     for name in ("qwen3-0.6b", "olmo-2-7b"):
         plain = memplan.estimate(name, "a100-80g", micro_batch=1, seq_len=4096, precision="bf16")

@@ -170,7 +170,8 @@ def step_ops(key: OpsKey) -> StepOps:
     launches = L * (1 + back * (2 + full))  # per layer kernel: forward, twice that in backward, the recompute
     return StepOps(tuple(layer), tuple(head), (1 + back * (2 + core_again)) * attn_fwd, fused,
                    scores * (FORWARD_SHARE + back * (1 - FORWARD_SHARE + FORWARD_SHARE * core_again)),
-                   _stream_moves(spec, key) * L * again, _act_moves(spec, tp) * L * again,
+                   (_stream_moves(spec, key) + _qk_norm_moves(spec, tp)) * L * again,
+                   _act_moves(spec, tp) * L * again,
                    LOSS_BYTES_PER_LOGIT * spec.vocab_size / tp if spec.head in LM_HEADS else 0.0,
                    sum(g.total for g in params if g.weight_of and g.store == "model") * (1 + full * back),
                    sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full * back),
@@ -213,6 +214,20 @@ def _stream_moves(spec: ModelSpec, key: OpsKey) -> float:
     dropouts = 2 if spec.hidden_dropout else 0
     per = spec.hidden_size * (norms * NORM_MOVES + 2 * RESIDUAL_MOVES + dropouts * DROPOUT_MOVES)
     return per / (key.tp if key.sp else 1)
+
+
+def _qk_norm_moves(spec: ModelSpec, tp: int) -> float:
+    """Element moves of one layer's q / k norms (families.Family.qk_norm; activations._qk_norms saves their
+    tensors): an RMSNorm over q's a*d and k's k*d values per token, NORM_MOVES each like the layer's own norms and
+    priced like them at the residual width (they upcast to fp32 under autocast). Per-head norms split with the
+    heads over TP; a norm over the whole projection runs on the gathered q and k. Llama 4 runs its L2 norm on
+    the RoPE layers only (ModelSpec.qk_norm_layers)."""
+    fam = family(spec.model_type)
+    if fam.qk_norm is None or spec.qk_norm_layers == 0:
+        return 0.0
+    share = 1.0 if spec.qk_norm_layers is None else spec.qk_norm_layers / spec.num_layers
+    elements = (spec.num_heads + spec.num_kv_heads) * spec.head_dim / (tp if fam.qk_norm != "full" else 1)
+    return NORM_MOVES * elements * share
 
 
 def _act_moves(spec: ModelSpec, tp: int) -> float:
