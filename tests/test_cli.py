@@ -90,6 +90,17 @@ def test_estimate_multi_gpu_flags():
     r = run("estimate", "-m", "llama-3.1-70b", "-g", "h100", "--gpus", "8", "--nodes", "4", "--tp", "8", "--pp", "4",
             "--sp", "on", "--zero", "1", "--grad-accum", "16", "--seq-len", "4096", "--precision", "bf16")
     assert r.returncode == 0 and "dp 1 x tp 8 + SP x pp 4" in r.stdout and "per GPU" in r.stdout, r.stderr
+    assert "replayed" not in r.stdout  # the replay covers one whole replica on one GPU (timeline.replayable)
+
+
+def test_estimate_table_shows_the_replayed_reserved():
+    """Beside the segment arithmetic's bound, the table shows the replay: on the lent H200 the expected figure
+    (benchmarks/results/gpu_lease: 31,894 MiB measured for this step, 31,704 replayed, 36,410 bound)."""
+    r = run("estimate", "-m", "llama-3.2-1b", "-g", "h200", "--seq-len", "1024", "--micro-batch", "4",
+            "--precision", "bf16", "--attn", "sdpa")
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.strip().startswith("replayed"))
+    assert float(row.split()[1]) * 1024 == pytest.approx(31894, rel=0.02)
 
 
 def test_suggest_multi_gpu_json_and_why():
