@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What a lent GPU is asked to measure, in one call of the device tool (benchmarks/README.md):
-#   run: bash benchmarks/gpu_lease.sh        carry: .whl        timeout_s: 600
+# What a lent GPU is asked to measure, in calls of the device tool (benchmarks/README.md):
+#   run: bash benchmarks/gpu_lease.sh        carry: .whl        timeout_s: 600   (about 550 s)
+#   run: bash benchmarks/gpu_lease.sh wide   carry: .whl        timeout_s: 385   (gpu_grid.py's wide grid only)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -15,6 +16,9 @@ else
   export PYTHONPATH=src
 fi
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = wide ]; then
+  exec timeout 370 python3 benchmarks/gpu_grid.py --grid wide --max-seconds 330 --out "$OUT/gpu_grid_wide"
+fi
 { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
 transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
 echo "== gpu_grid"

@@ -70,9 +70,11 @@ def attention(prof) -> list[dict]:
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
 
-        def step():
+        grad = torch.ones(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+
+        def step():  # forward and the three input gradients, nothing accumulated into .grad
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hk)
-            o.backward(torch.ones_like(o))
+            torch.autograd.grad(o, (q, k, v), grad)
 
         t = timed(step)
         flops = 4 * b * hq * s * s * d * 3 * (0.5 if causal else 1.0)  # QK^T and PV, x3 with backward
@@ -137,8 +139,10 @@ def main() -> int:
     from memplan.inputs.profiles import load_gpu
 
     prof = load_gpu("auto")
+    torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default, pinned: fp32 GEMMs against the fp32 peak
     doc = {"command": "python benchmarks/gpu_ops.py", "device": torch.cuda.get_device_name(),
-           "profile": prof.name, "torch": torch.__version__, "memplan": memplan.__version__}
+           "profile": prof.name, "torch": torch.__version__, "memplan": memplan.__version__,
+           "allow_tf32": torch.backends.cuda.matmul.allow_tf32}
     for name, fn in (("gemm", gemms), ("attention", attention), ("bandwidth", bandwidth)):
         doc[name] = fn(prof)
         print(name, json.dumps(doc[name][-1]), flush=True)

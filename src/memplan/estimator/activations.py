@@ -167,9 +167,10 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     Tq, Tkv = b * s_q, b * s_kv
     # The core's inputs as the checkpoint holds them under selective recomputation: rotary embeddings multiply q
     # and k by cos / sin in the hidden states' dtype (LlamaRotaryEmbedding returns cos.to(x.dtype)), so over an
-    # fp32 model under autocast they are fp32; without the checkpoint the kernels save their half casts instead.
+    # fp32 model under autocast they are fp32 (not Llama 4's: rotary_in_stream_dtype); without the checkpoint the
+    # kernels save their half casts instead.
     # Traced: Qwen3-0.6B b2 s512 bf16 sdpa held q (8 MiB) and k (4 MiB) per layer in fp32 (-1.4 % before).
-    qk = prec.residual if selective and spec.position == "rotary" and prec.autocast else p
+    qk = prec.residual if selective and rotary_in_stream_dtype(spec) and prec.autocast else p
     out: list[Tensors] = [Tensors("q", qk * a * d * Tq)]
     if attn == "eager" and a != k:
         # repeat_kv materialises k and v at `a` heads and the matmuls save those copies; the k, v at kv

@@ -270,8 +270,10 @@ def tied_modules(spec: ModelSpec) -> tuple[str, ...]:
 def records_frozen_blocks(spec: ModelSpec, t: Tuning) -> bool:
     """Whether autograd records the frozen blocks: under LoRA each has adapters; under freeze only when a
     tensor before them requires a gradient, i.e. a trained embedding (a tied head's matrix, or
-    modules_to_save), else the frozen blocks before the trained ones record nothing."""
-    return t.method != "freeze" or trains_embeddings(spec, t)
+    modules_to_save), or a module inside the blocks that modules_to_save trains in every block; else the frozen
+    blocks before the trained ones record nothing."""
+    return t.method != "freeze" or trains_embeddings(spec, t) or any(
+        "*" in g.module and under(g.module, t.modules_to_save) for g in spec.params)
 
 
 def recorded_layers(spec: ModelSpec, t: Tuning) -> int:

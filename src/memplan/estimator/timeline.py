@@ -20,7 +20,7 @@ from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
 from memplan.estimator.allocator import CachingAllocator
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
-                                       trained_blocks, tuned_params)
+                                       trained_blocks, tuned_params, under)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
 from memplan.estimator.states import LINEAR_CATEGORIES, paged
@@ -120,7 +120,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
         if "*" not in g.module:  # outside the blocks: the embeddings, the head, a final norm
             continue
         blocks = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
-        if t.method == "freeze" and head_stack(spec, g.module):
+        if t.method == "freeze" and head_stack(spec, g.module) and not under(g.module, t.modules_to_save):
             blocks = trained_range if g.trainable else range(head.start, trained_range.start)
         for b, n in _spread(g.count, blocks).items():
             per[b].append((i, n))

@@ -283,11 +283,12 @@ def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flo
 
 def _cast_launches(o: ops.StepOps, prec, forward_only: bool, casts: bool) -> float:
     """autocast's cast kernels per micro batch: each forward's (the weights' not in a decode step, whose cache
-    holds them), and as many in backward (each cast's gradient cast back)."""
+    holds them), and in the layers with a backward as many again (each cast's gradient cast back) and the
+    recomputed forward's."""
     if not prec.autocast:
         return 0.0
     per_forward = o.weight_casts * _casts_weights(prec, casts) + o.fp32_weight_casts * casts + o.input_casts
-    return per_forward if forward_only else per_forward * (o.forward_passes + 1)
+    return per_forward if forward_only else per_forward * (1 + o.backward_share * o.forward_passes)
 
 
 def _casts_weights(prec, casts: bool) -> bool:

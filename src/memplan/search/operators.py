@@ -93,6 +93,7 @@ class StepOps(NamedTuple):
     input_casts: float = 0.0
     forward_passes: int = 1
     fp32_weight_casts: float = 0.0
+    backward_share: float = 1.0  # of the layers, those with a backward (freeze: the trained blocks)
 
 
 class OpsKey(NamedTuple):
@@ -177,7 +178,7 @@ def step_ops(key: OpsKey) -> StepOps:
                    sum(g.total for g in params if g.store in ("4bit", "4bit-dq")) * (1 + full * back),
                    _embed_grad(spec, params),
                    launches * (1 if fused else EAGER_KERNELS), launches * LAYER_KERNELS, L,
-                   weight_casts, input_casts, 1 + full, fp32_casts)
+                   weight_casts, input_casts, 1 + full, fp32_casts, back)
 
 
 def autocast_casts(params, L: int, fused: bool) -> tuple[float, float, float]:
