@@ -193,6 +193,11 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
         scores = b * a * s_q * s_kv
         sm = _softmax_bytes(spec, prec)
         out.append(Tensors("core: softmax output", sm * scores, kind=TensorKind.CORE))
+        if spec.attn_logit_softcapping:
+            # Gemma 2's eager core soft-caps the scores, tanh(scores / cap) * cap, before the mask (transformers
+            # 5.24 models/gemma2/modeling_gemma2.py eager_attention_forward); tanh saves its output, in the
+            # scores' dtype (traced: gemma-2-2b b1 s1024 bf16-pure eager, 16 MiB a layer)
+            out.append(Tensors("core: logit soft-capping tanh output", p * scores, kind=TensorKind.CORE))
         dropout = spec.attention_dropout > 0
         if dropout:
             out.append(Tensors("core: attention dropout mask", MASK * scores, kind=TensorKind.CORE))

@@ -233,12 +233,14 @@ FAMILIES: dict[str, Family] = {
     # gate/up projections read the residual stream itself; q_norm / k_norm over the whole projection. PEFT has no
     # default LoRA targets for olmo2 (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no entry)
     "olmo2": Family(**_ROTARY_GATED, qk_norm="full", norm_weight_fp32=True, post_norm_layers=True, **_KERNELS),
-    "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
+    # GemmaRMSNorm / Gemma2RMSNorm multiply by 1 + weight in fp32 before casting back (norm_weight_fp32), as
+    # Gemma3RMSNorm does (traced: gemma-2-2b's four norms a layer save 9 MiB fp32 each at b1 s1024, not 4.5)
+    "gemma": Family(**_ROTARY_GATED, lora_targets=_QV, norm_weight_fp32=True, **_KERNELS),
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms; Gemma2Config
     # .layer_types alternates sliding and full attention; no _supports_sdpa; attention logit soft-capping
     # (no memplan attention)
     "gemma2": Family(**_ROTARY_GATED, lora_targets=_QV, norms_per_layer=4, attn_unsupported=("sdpa",),
-                     fused_loss_causal_base="model", tiled_mlp=True),
+                     norm_weight_fp32=True, fused_loss_causal_base="model", tiled_mlp=True),
     # Gemma3DecoderLayer: gemma2's four norms per layer, q_norm / k_norm over head_dim before RoPE
     # (Gemma3RMSNorm multiplies by 1 + weight in fp32 before casting back), layer_types mixing sliding and full
     # layers; no logit soft-capping in the released configs, SDPA and flash supported. memplan's tiled attention

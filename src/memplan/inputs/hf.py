@@ -331,6 +331,7 @@ def _architecture(cfg: Any, head: str) -> dict[str, Any]:
         num_channels=int(_get(cfg, "num_channels", default=0)) if vision else 0,
         sliding_window=_get(cfg, "sliding_window") if getattr(cfg, "use_sliding_window", True) else None,
         final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
+        attn_logit_softcapping=_get(cfg, "attn_logit_softcapping"),
     ) | _layer_fields(cfg) | _moe_fields(cfg) | _mla_fields(cfg) | _kv_fields(cfg)
 
 

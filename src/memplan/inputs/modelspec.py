@@ -117,6 +117,7 @@ class ModelSpec(Derived):
     num_channels: int = 0
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: tanh(scores / cap) * cap in the eager core
     # Each layer's attention as transformers' config.layer_types names it ("full_attention",
     # "sliding_attention" (at most sliding_window keys), "chunked_attention" (Llama 4: attention_chunk_size
     # keys)); (): the config has no layer_types.
