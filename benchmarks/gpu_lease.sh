@@ -2,6 +2,8 @@
 # What a lent GPU is asked to measure, in calls of the device tool (benchmarks/README.md):
 #   run: bash benchmarks/gpu_lease.sh        carry: .whl        timeout_s: 600   (about 550 s)
 #   run: bash benchmarks/gpu_lease.sh wide   carry: .whl        timeout_s: 385   (gpu_grid.py's wide grid only)
+#   run: bash benchmarks/gpu_lease.sh profile  carry: .whl      timeout_s: 240   (gpu_profile.py on the steps the
+#        first lease found under-predicted: T5, GPT-2, bert-large bf16, with Llama-3.2-1B as the GPU-bound baseline)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -18,6 +20,14 @@ fi
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = wide ]; then
   exec timeout 370 python3 benchmarks/gpu_grid.py --grid wide --max-seconds 330 --out "$OUT/gpu_grid_wide"
+fi
+if [ "${1:-}" = profile ]; then
+  for c in "t5-base 512 8 bf16" "gpt2 1024 8 fp16" "bert-large 512 8 bf16" "llama-3.2-1b 1024 4 bf16"; do
+    set -- $c
+    timeout 55 python3 benchmarks/gpu_profile.py --model "$1" --seq-len "$2" --micro-batch "$3" --precision "$4" \
+      --attn sdpa --out "$OUT/profile_$1.json"
+  done
+  exit 0
 fi
 { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
 transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
