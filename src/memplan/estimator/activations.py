@@ -190,20 +190,7 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             # alive, so the k and v it holds survive beside their copies (traced, GPT-2).
             out.append(Tensors("k, v before the cache copy (fused QKV)", p * k * d * Tkv, 2))
     if attn == "eager":
-        scores = b * a * s_q * s_kv
-        sm = _softmax_bytes(spec, prec)
-        out.append(Tensors("core: softmax output", sm * scores, kind=TensorKind.CORE))
-        if spec.attn_logit_softcapping:
-            # Gemma 2's eager core soft-caps the scores, tanh(scores / cap) * cap, before the mask (transformers
-            # 5.24 models/gemma2/modeling_gemma2.py eager_attention_forward); tanh saves its output, in the
-            # scores' dtype (traced: gemma-2-2b b1 s1024 bf16-pure eager, 16 MiB a layer)
-            out.append(Tensors("core: logit soft-capping tanh output", p * scores, kind=TensorKind.CORE))
-        dropout = spec.attention_dropout > 0
-        if dropout:
-            out.append(Tensors("core: attention dropout mask", MASK * scores, kind=TensorKind.CORE))
-        if dropout or sm != p:
-            # the PV matmul saves its own input: the dropout output or the cast back to p
-            out.append(Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE))
+        out += _eager_scores(spec, b * a * s_q * s_kv, prec, p)
     else:
         # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
         # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
@@ -221,6 +208,25 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     if spec.hidden_dropout > 0:
         out.append(Tensors("output dropout mask", MASK * spec.hidden_size * Tq, rep=True))
     return [t for t in out if not is_core(t)] if selective else out
+
+
+def _eager_scores(spec: ModelSpec, scores: int, prec: Precision, p: int) -> list[Tensors]:
+    """What eager attention's core saves of its `scores` (b x a x s_q x s_kv) elements: the softmax output, Gemma 2's
+    soft-capping tanh, the dropout mask, and the PV matmul's input where it is not the softmax output itself."""
+    sm = _softmax_bytes(spec, prec)
+    out = [Tensors("core: softmax output", sm * scores, kind=TensorKind.CORE)]
+    if spec.attn_logit_softcapping:
+        # Gemma 2's eager core soft-caps the scores, tanh(scores / cap) * cap, before the mask (transformers
+        # 5.24 models/gemma2/modeling_gemma2.py eager_attention_forward); tanh saves its output, in the
+        # scores' dtype (traced: gemma-2-2b b1 s1024 bf16-pure eager, 16 MiB a layer)
+        out.append(Tensors("core: logit soft-capping tanh output", p * scores, kind=TensorKind.CORE))
+    dropout = spec.attention_dropout > 0
+    if dropout:
+        out.append(Tensors("core: attention dropout mask", MASK * scores, kind=TensorKind.CORE))
+    if dropout or sm != p:
+        # the PV matmul saves its own input: the dropout output or the cast back to p
+        out.append(Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE))
+    return out
 
 
 def _latent_norm(name: str, width: int, T: int, p: int, whole: int = 0) -> list[Tensors]:
