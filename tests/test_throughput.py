@@ -167,6 +167,9 @@ def test_the_optimizer_steps_only_what_trains():
     params, trained = np.array([[8.0e9]]), np.array([[3.4e6]])
     step = cost._optimizer(spec, gpu, [w], np.array([[1.0]]), params, trained, cost.achievable_bandwidth(gpu))
     assert step[0, 0] == pytest.approx(cost._step_bytes(w) * 3.4e6 / cost.achievable_bandwidth(gpu))
+    # a Python-loop optimizer dispatches per trained tensor: LoRA's q / v adapters, two per target in 32 layers
+    assert cost._trained_tensors(spec, Workload(method="lora", optim="adafactor")) == 2 * 2 * 32
+    assert cost._trained_tensors(spec, Workload(optim="adafactor")) == spec.num_tensors
 
 
 def test_small_micro_batches_are_bandwidth_bound():

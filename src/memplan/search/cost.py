@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator.families import family
+from memplan.estimator.finetune import Tuning, tuned_params
 from memplan.estimator.parallel import ds_buckets, fetch_unit
 from memplan.estimator.states import activation_precision, layout_params
 from memplan.estimator.rules import FP32, HALF, PRECISIONS
@@ -481,7 +482,7 @@ def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, param
     (STEP_OPS_PER_TENSOR)."""
     w0, dp = bases[0], bases[0].dp
     sharded = _col([w.zero > 0 or w.fsdp != "none" for w in bases]).astype(bool)
-    host = _col([STEP_OPS_PER_TENSOR.get(w.optim, 0) * spec.num_tensors / (w.tp * w.pp) for w in bases])
+    host = _col([STEP_OPS_PER_TENSOR.get(w.optim, 0) * _trained_tensors(spec, w) / (w.tp * w.pp) for w in bases])
     n_opt = trained / np.where(sharded, dp, 1)
     pcie = gpu.pcie_gbs * LINK_EFFICIENCY * 1e9
     cpu_opt = (CPU_ADAM_BYTES_PER_PARAM * n_opt * w0.gpus / (HOST_MEMORY_GBS * 1e9) + (m * HALF * n_opt + HALF * n_opt) / pcie)
@@ -491,6 +492,14 @@ def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, param
     per_param = _col([_step_bytes(w) for w in bases])
     gpu_step = np.maximum(per_param * n_opt / bw, host * generation(gpu).launch_s)
     return np.where(off, cpu_opt + np.where(off_all, all_extra, 0.0), gpu_step)
+
+
+def _trained_tensors(spec: ModelSpec, w: Workload) -> int:
+    """The tensors a Python-loop optimizer steps: every one in full fine-tuning, else the method's trained ones
+    (LoRA's adapters, freeze's trained blocks)."""
+    if w.method == "full":
+        return spec.num_tensors
+    return sum(g.count for g in tuned_params(spec, Tuning.of(w)) if g.trainable)
 
 
 def _step_bytes(w: Workload) -> float:
