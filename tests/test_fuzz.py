@@ -27,7 +27,7 @@ def _kept(outcome) -> None:
     assert not outcome.problems, f"{outcome.call}\n-> {outcome.result}: {outcome.problems}"
 
 
-@fuzz(600)
+@fuzz(400)
 @given(args=command_lines("estimate"))
 def test_estimate_command_lines_keep_the_contract(args):
     _kept(run_cli(args))
