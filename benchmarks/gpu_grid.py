@@ -109,17 +109,25 @@ def _ratio(pred, meas) -> str:
     return f"{pred:,.3f} / {meas:,.3f} ({100 * (pred / meas - 1):+.1f} %)" if pred and meas else f"{pred} / {meas}"
 
 
+def _meters(r: dict) -> dict:
+    """A run's verify meters by name."""
+    return {m["meter"]: m for m in r["verify"]["meters"]}
+
+
+def _replayed(r: dict) -> int | None:
+    """The estimate's replayed reserved in the run's allocator mode."""
+    mode = "expandable_segments" if r["expandable_segments"] else "default"
+    return (r["verify"]["estimate"].get("by_allocator") or {}).get(mode, {}).get("simulated_reserved_bytes")
+
+
 def row(r: dict) -> str:
     """One markdown row: step time and each meter, predicted / measured, and the replayed reserved."""
     case, mode = r["case"], "expandable" if r["expandable_segments"] else "default"
     label = " ".join(f"{k}={v}" for k, v in case.items())
     if r["returncode"] != 0:
         return f"| {label} | {mode} | failed: {(r.get('stderr') or [''])[-1]} |||||"
-    v = r["verify"]
-    est, meters = v["estimate"], {m["meter"]: m for m in v["meters"]}
-    replay = (est.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default",
-                                                 {}).get("simulated_reserved_bytes")
-    cells = [_ratio(est.get("step_time_s"), v.get("step_time_s"))]
+    v, meters, replay = r["verify"], _meters(r), _replayed(r)
+    cells = [_ratio(v["estimate"].get("step_time_s"), v.get("step_time_s"))]
     for name in ("peak_allocated", "peak_reserved", "device_used"):
         m = meters.get(name, {})
         cells.append(_ratio((m.get("predicted_bytes") or 0) / MiB, (m.get("measured_bytes") or 0) / MiB))
@@ -159,12 +167,10 @@ def dry_run(grid: list[dict]) -> None:
 
 def _errors(r: dict) -> dict:
     """One run's errors (predicted / measured - 1): both reserved meters, allocated, the step time."""
-    v = r["verify"]
-    meters = {m["meter"]: m for m in v["meters"]}
-    mode = "expandable_segments" if r["expandable_segments"] else "default"
+    v, meters = r["verify"], _meters(r)
     measured = meters["peak_reserved"]["measured_bytes"]
     return {"arithmetic": meters["peak_reserved"]["predicted_bytes"] / measured - 1,
-            "replay": v["estimate"]["by_allocator"][mode]["simulated_reserved_bytes"] / measured - 1,
+            "replay": _replayed(r) / measured - 1,
             "allocated": meters["peak_allocated"]["predicted_bytes"] / meters["peak_allocated"]["measured_bytes"] - 1,
             "step": v["estimate"]["step_time_s"] / v["step_time_s"] - 1,
             "context_mib": (meters["device_used"]["measured_bytes"] - measured) / MiB}
@@ -184,16 +190,36 @@ def summary(paths: list[str]) -> str:
     return "\n".join(lines + [f"NVML used - reserved (MiB): {ctx}"])
 
 
+def predicted_now(paths: list[str]) -> str:
+    """Each configuration's step time as this tree predicts it (the profile the runs were on), beside the runs' two
+    measurements (one per allocator mode): docs/cost-model.md's H200 table."""
+    runs = [r for p in paths for r in json.loads(pathlib.Path(p).read_text())["results"] if r["returncode"] == 0]
+    by_case: dict[str, list[dict]] = {}
+    for r in runs:
+        by_case.setdefault(json.dumps(r["case"]), []).append(r)
+    lines = ["| configuration | predicted ms | measured ms (default / expandable) | error |", "|---|---:|---:|---:|"]
+    for case_runs in by_case.values():
+        case, gpu = case_runs[0]["case"], case_runs[0]["verify"]["gpu"]
+        e = memplan.estimate(case["model"], gpu, **{k: v for k, v in case.items() if k != "model"})
+        measured = [r["verify"]["step_time_s"] for r in case_runs]
+        lines.append(f"| {' '.join(map(str, case.values()))} | {1e3 * e.step_time_s:.0f} | "
+                     + " / ".join(f"{1e3 * m:.0f}" for m in measured) + " | "
+                     + " / ".join(f"{100 * (e.step_time_s / m - 1):+.0f}" for m in measured) + " % |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-seconds", type=float, default=420.0, help="start no run past this many seconds")
     ap.add_argument("--out", default=str(HERE / "results" / "gpu_grid"))
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its predictions (no GPU)")
     ap.add_argument("--summary", nargs="+", metavar="JSON", help="summarise committed results files and exit")
+    ap.add_argument("--predicted-now", action="store_true",
+                    help="with --summary: each configuration's step time as this tree predicts it, beside the runs")
     ap.add_argument("--grid", choices=list(GRIDS), default="issue", help="issue: the issue's grid; wide: beyond it")
     args = ap.parse_args()
     if args.summary:
-        print(summary(args.summary))
+        print(predicted_now(args.summary) if args.predicted_now else summary(args.summary))
         return 0
     if args.dry_run:
         dry_run(GRIDS[args.grid])

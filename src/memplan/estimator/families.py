@@ -217,8 +217,7 @@ FAMILIES: dict[str, Family] = {
     # projections, fused experts with a clamped SwiGLU, top-k then softmax routing. PEFT 0.21 has no default
     # LoRA targets for gpt_oss
     "gpt_oss": Family(**{**_ROTARY_GATED, "softmax_fp32": False}, attn_unsupported=("sdpa", "flash"),
-                      attention_sinks=True,
-                      expert_act_extra=4, fused_loss_causal_base="model"),
+                      attention_sinks=True, expert_act_extra=4, fused_loss_causal_base="model"),
     # SmolLM3DecoderLayer: llama's layer; no_rope_layers turns RoPE off on every fourth layer, which changes no
     # saved tensor (RoPE saves only the shared cos / sin). PEFT 0.21 has no default LoRA targets for smollm3
     "smollm3": Family(**_ROTARY_GATED, **_KERNELS),

@@ -433,7 +433,8 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     zero = _col([w.zero for w in bases])
     sharded = (zero > 0) | _col([w.fsdp != "none" for w in bases]).astype(bool)
     g_bytes = trained * np.where(half & sharded, HALF, FP32)  # FSDP: reduce_dtype = the half dtype
-    p_bytes = params * np.where(half, HALF, FP32)
+    width = np.where(half, HALF, FP32)
+    p_bytes = params * width
     if dp == 1:
         return np.zeros(params.shape)
     dpbw = group_bw(gpu, w0, w0.tp, dp)
@@ -443,7 +444,7 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     # boundary, overlapped with the last micro batch's backward
     z01 = np.maximum(ar * g_bytes - backward, 0.0)
     # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the updated parameters
-    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * np.where(half, HALF, FP32)
+    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * width
     # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
     # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
     # DeepSpeed fetches a module's parameters when it runs and prefetches at most stage3_prefetch_bucket_size
@@ -495,10 +496,8 @@ def _optimizer(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, param
 
 
 def _trained_tensors(spec: ModelSpec, w: Workload) -> int:
-    """The tensors a Python-loop optimizer steps: every one in full fine-tuning, else the method's trained ones
-    (LoRA's adapters, freeze's trained blocks)."""
-    if w.method == "full":
-        return spec.num_tensors
+    """The tensors a Python-loop optimizer steps: the trained ones (every one in full fine-tuning, LoRA's adapters,
+    freeze's trained blocks)."""
     return sum(g.count for g in tuned_params(spec, Tuning.of(w)) if g.trainable)
 
 
