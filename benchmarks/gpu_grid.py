@@ -1,7 +1,7 @@
 """Issue 17's GPU grid: real training steps on the GPU in hand, each beside memplan's prediction: the step time,
-the three meters (peak allocated, peak reserved, NVML's device used) from the segment arithmetic, and the
-reserved memory of the estimate's own allocations replayed through the allocator simulation
-(`simulated_reserved_bytes`), in both allocator modes.
+the three meters (peak allocated, peak reserved, NVML's device used; reserved from the replay of the estimate's
+own allocations through the allocator simulation since the replay became the meter, from the segment arithmetic
+before, in e66ef13's committed runs), and the other of the two reserved figures, in both allocator modes.
 
     python benchmarks/gpu_grid.py [--max-seconds 420] [--out benchmarks/results/gpu_grid]
     python benchmarks/gpu_grid.py --dry-run      # the grid and its predictions; no GPU needed
@@ -115,33 +115,46 @@ def _meters(r: dict) -> dict:
 
 
 def _replayed(r: dict) -> int | None:
-    """The estimate's replayed reserved in the run's allocator mode."""
-    mode = "expandable_segments" if r["expandable_segments"] else "default"
-    return (r["verify"]["estimate"].get("by_allocator") or {}).get(mode, {}).get("simulated_reserved_bytes")
+    """The estimate's replayed reserved in the run's allocator mode: runs before the replay became the meter
+    (e66ef13's) reported it as `simulated_reserved_bytes` beside the segment arithmetic."""
+    e = r["verify"]["estimate"]
+    mode = (e.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default", {})
+    return mode.get("simulated_reserved_bytes") or (mode.get("peak_reserved_bytes")
+                                                     if e.get("reserved_from") == "replay" else None)
+
+
+def _arithmetic(r: dict) -> int:
+    """The segment arithmetic's reserved: the meter of e66ef13's runs, `arithmetic_reserved_bytes` since."""
+    e = r["verify"]["estimate"]
+    mode = (e.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default", {})
+    return mode.get("arithmetic_reserved_bytes") or _meters(r)["peak_reserved"]["predicted_bytes"]
 
 
 def row(r: dict) -> str:
-    """One markdown row: step time and each meter, predicted / measured, and the replayed reserved."""
+    """One markdown row: step time and each meter, predicted / measured, and the reserved figure that was not the
+    meter: the replayed one in e66ef13's runs, the segment arithmetic since."""
     case, mode = r["case"], "expandable" if r["expandable_segments"] else "default"
     label = " ".join(f"{k}={v}" for k, v in case.items())
     if r["returncode"] != 0:
         return f"| {label} | {mode} | failed: {(r.get('stderr') or [''])[-1]} |||||"
-    v, meters, replay = r["verify"], _meters(r), _replayed(r)
+    v, meters = r["verify"], _meters(r)
+    other = _arithmetic(r) if v["estimate"].get("reserved_from") == "replay" else _replayed(r)
     cells = [_ratio(v["estimate"].get("step_time_s"), v.get("step_time_s"))]
     for name in ("peak_allocated", "peak_reserved", "device_used"):
         m = meters.get(name, {})
         cells.append(_ratio((m.get("predicted_bytes") or 0) / MiB, (m.get("measured_bytes") or 0) / MiB))
     reserved = meters.get("peak_reserved", {}).get("measured_bytes")
-    cells.append(_ratio(replay / MiB, reserved / MiB) if replay and reserved else "")
+    cells.append(_ratio(other / MiB, reserved / MiB) if other and reserved else "")
     return f"| {label} | {mode} | " + " | ".join(cells) + " |"
 
 
 def report(results: list[dict], device: str, cmd: str) -> str:
     lines = [f"# GPU grid on {device}", "", f"`{cmd}`", "",
-             "Predicted / measured: step seconds (verify's median of the steps after the first), then MiB; the "
-             "replayed reserved is the estimate's own allocations through the allocator simulation, against the "
+             "Predicted / measured: step seconds (verify's median of the steps after the first), then MiB. Peak "
+             "reserved is the estimate's meter (the replay of its own allocations through the allocator simulation); "
+             "the last column is the other figure (the segment arithmetic the search ranks with) against the "
              "measured reserved.", "",
-             "| case | allocator | step s | peak allocated | peak reserved | device used | replayed reserved |",
+             "| case | allocator | step s | peak allocated | peak reserved | device used | the other reserved |",
              "|---|---|---|---|---|---|---|"]
     lines += [row(r) for r in results]
     done = [r for r in results if r["returncode"] == 0]
@@ -156,10 +169,10 @@ def dry_run(grid: list[dict]) -> None:
     """The grid with its predictions (no GPU): what a lent GPU would be asked to measure."""
     for case in grid:
         for expandable in MODES:
-            e = memplan.estimate(case["model"], "h200", simulate=True, expandable_segments=expandable,
+            e = memplan.estimate(case["model"], "h200", expandable_segments=expandable,
                                  **{k: v for k, v in case.items() if k != "model"})
             mode = "expandable_segments" if expandable else "default"
-            replay = e.by_allocator[mode].get("simulated_reserved_bytes", 0)
+            replay = e.by_allocator[mode]["peak_reserved_bytes"] if e.reserved_from == "replay" else 0
             print(f"{' '.join(map(str, case.values())):62s} {mode:19s} step {e.step_time_s:.3f} s  allocated "
                   f"{e.peak_allocated_bytes / MiB:,.0f}  reserved {e.peak_reserved_bytes / MiB:,.0f}  replayed "
                   f"{replay / MiB:,.0f} MiB")
@@ -169,7 +182,7 @@ def _errors(r: dict) -> dict:
     """One run's errors (predicted / measured - 1): both reserved meters, allocated, the step time."""
     v, meters = r["verify"], _meters(r)
     measured = meters["peak_reserved"]["measured_bytes"]
-    return {"arithmetic": meters["peak_reserved"]["predicted_bytes"] / measured - 1,
+    return {"arithmetic": _arithmetic(r) / measured - 1,
             "replay": _replayed(r) / measured - 1,
             "allocated": meters["peak_allocated"]["predicted_bytes"] / meters["peak_allocated"]["measured_bytes"] - 1,
             "step": v["estimate"]["step_time_s"] / v["step_time_s"] - 1,
@@ -200,12 +213,40 @@ def predicted_now(paths: list[str]) -> str:
     lines = ["| configuration | predicted ms | measured ms (default / expandable) | error |", "|---|---:|---:|---:|"]
     for case_runs in by_case.values():
         case, gpu = case_runs[0]["case"], case_runs[0]["verify"]["gpu"]
-        e = memplan.estimate(case["model"], gpu, **{k: v for k, v in case.items() if k != "model"})
+        e = memplan.estimate(case["model"], gpu, simulate=False, **{k: v for k, v in case.items() if k != "model"})
         measured = [r["verify"]["step_time_s"] for r in case_runs]
         lines.append(f"| {' '.join(map(str, case.values()))} | {1e3 * e.step_time_s:.0f} | "
                      + " / ".join(f"{1e3 * m:.0f}" for m in measured) + " | "
                      + " / ".join(f"{100 * (e.step_time_s / m - 1):+.0f}" for m in measured) + " % |")
     return "\n".join(lines)
+
+
+def reserved_now(paths: list[str]) -> list[dict]:
+    """Each run's peak reserved as this tree predicts it (its configuration, allocator mode and GPU profile)
+    beside what the run measured (`torch.cuda.max_memory_reserved()`)."""
+    out = []
+    for p in paths:
+        for r in json.loads(pathlib.Path(p).read_text())["results"]:
+            if r["returncode"] != 0:
+                continue
+            case = r["case"]
+            e = memplan.estimate(case["model"], r["verify"]["gpu"], expandable_segments=r["expandable_segments"],
+                                 **{k: v for k, v in case.items() if k != "model"})
+            out.append({"case": " ".join(map(str, case.values())), "expandable_segments": r["expandable_segments"],
+                        "predicted": e.peak_reserved_bytes, "reserved_from": e.reserved_from,
+                        "measured": _meters(r)["peak_reserved"]["measured_bytes"]})
+    return out
+
+
+def reserved_table(rows: list[dict]) -> str:
+    lines = ["| configuration | allocator | predicted MiB | measured MiB | error |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['case']} | {'expandable' if r['expandable_segments'] else 'default'} | "
+              f"{r['predicted'] / MiB:,.0f} | {r['measured'] / MiB:,.0f} | "
+              f"{100 * (r['predicted'] / r['measured'] - 1):+.1f} % |" for r in rows]
+    errs = [r["predicted"] / r["measured"] - 1 for r in rows]
+    return "\n".join(lines + ["", f"{len(rows)} runs: median |error| {100 * statistics.median(map(abs, errs)):.1f} %, "
+                                  f"from {100 * min(errs):+.1f} to {100 * max(errs):+.1f} %, under in "
+                                  f"{sum(e < 0 for e in errs)}"])
 
 
 def main() -> int:
@@ -216,10 +257,13 @@ def main() -> int:
     ap.add_argument("--summary", nargs="+", metavar="JSON", help="summarise committed results files and exit")
     ap.add_argument("--predicted-now", action="store_true",
                     help="with --summary: each configuration's step time as this tree predicts it, beside the runs")
+    ap.add_argument("--reserved-now", action="store_true",
+                    help="with --summary: each run's peak reserved as this tree predicts it, beside the run's")
     ap.add_argument("--grid", choices=list(GRIDS), default="issue", help="issue: the issue's grid; wide: beyond it")
     args = ap.parse_args()
     if args.summary:
-        print(predicted_now(args.summary) if args.predicted_now else summary(args.summary))
+        print(predicted_now(args.summary) if args.predicted_now else reserved_table(reserved_now(args.summary))
+              if args.reserved_now else summary(args.summary))
         return 0
     if args.dry_run:
         dry_run(GRIDS[args.grid])

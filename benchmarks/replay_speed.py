@@ -37,7 +37,7 @@ def main() -> None:
     for model, kw in CASES:
         spec = memplan.resolve_model(model)
         memplan.estimate(spec, "h200", simulate=True, **kw)  # traces a traced model once, warms the caches
-        plain = median_s(lambda: memplan.estimate(spec, "h200", **kw))
+        plain = median_s(lambda: memplan.estimate(spec, "h200", simulate=False, **kw))
         replayed = median_s(lambda: memplan.estimate(spec, "h200", simulate=True, **kw),
                             before=timeline.replay.cache_clear)
         rows.append({"model": Path(model).stem if model.endswith(".json") else model, "workload": kw,

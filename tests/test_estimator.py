@@ -19,28 +19,73 @@ MiB = 1 << 20
 V100_BERT_LARGE_MIB = 14949
 
 
-@pytest.mark.parametrize("zero_grad", ["set-to-none", "zeros"])
-def test_v100_bert_large_calibration(zero_grad):
-    e = memplan.estimate("bert-large", "v100-16g", micro_batch=4, seq_len=512, precision="fp32",
-                         optim="adamw_torch_fused", attn="eager", zero_grad=zero_grad)
-    assert e.model.params_total == 335_143_938
-    assert abs(e.device_used_bytes / MiB / V100_BERT_LARGE_MIB - 1) < 0.05
-    assert e.fits
-    assert e.peak_allocated_bytes <= e.peak_reserved_bytes <= e.device_used_bytes
+def _published_hf_v100():
+    """benchmarks/accuracy/published_hf_v100.py: the transformers docs' nine V100 readings and the one term their
+    torch (<= 1.10) held that memplan's supported torch does not (docs/contract.md, "Calibration point")."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy" / "published_hf_v100.py"
+    spec = importlib.util.spec_from_file_location("published_hf_v100", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_v100_bert_large_calibration():
+    """The calibration point, 14,949 MiB by NVML on the 2022 stack (its Trainer zeroed the gradients: --zero-grad
+    zeros): memplan's device used (the replay) plus what torch 1.10's softmax saved beside its output (4 x b x heads
+    x s^2 bytes a layer, 1.5 GiB here) within 5 %. Without that term the prediction is about 11 % under: the stack
+    memplan models (torch >= 2.4) does not save it. Today's Trainer sets the gradients to None, which frees them
+    before the next forward: less again."""
+    kw = dict(micro_batch=4, seq_len=512, precision="fp32", optim="adamw_torch_fused", attn="eager")
+    e = memplan.estimate("bert-large", "v100-16g", zero_grad="zeros", **kw)
+    assert e.model.params_total == 335_143_938 and e.reserved_from == "replay"
+    torch110 = _published_hf_v100().softmax_input(dict(model="bert-large", **kw))
+    assert abs((e.device_used_bytes + torch110) / MiB / V100_BERT_LARGE_MIB - 1) < 0.05
+    assert -0.15 < e.device_used_bytes / MiB / V100_BERT_LARGE_MIB - 1 < -0.05
+    assert e.fits and e.peak_allocated_bytes <= e.peak_reserved_bytes <= e.device_used_bytes
+    today = memplan.estimate("bert-large", "v100-16g", **kw)
+    assert today.workload.zero_grad == "set-to-none" and today.device_used_bytes < e.device_used_bytes
 
 
 def test_the_hf_docs_v100_readings():
     """The nine NVML readings of the transformers docs' single-GPU guide (bert-large, V100, the 2022 Trainer:
-    benchmarks/accuracy/published_hf_v100.json; the first is the calibration point): device used within 10 %
-    of each, a median within 5 %. All but one are under; the fp16 batch-4 run is the furthest (-9.7 %)."""
+    benchmarks/accuracy/published_hf_v100.json; the first is the calibration point): device used plus torch
+    1.10's softmax input within 5 % of each, a median within 2 % (1.3 % when measured)."""
     import json
     import statistics
     from pathlib import Path
 
+    bench = _published_hf_v100()
     spec = json.loads((Path(__file__).parent.parent / "benchmarks/accuracy/published_hf_v100.json").read_text())
-    errs = [memplan.estimate(**(spec["common"] | r["workload"])).device_used_bytes / MiB / r["mib"] - 1
-            for r in spec["runs"]]
-    assert max(map(abs, errs)) < 0.10 and statistics.median(map(abs, errs)) < 0.05, errs
+    rows = bench.predictions(spec)
+    errs = [r["torch110_mib"] / r["measured_mib"] - 1 for r in rows]
+    assert max(map(abs, errs)) < 0.05 and statistics.median(map(abs, errs)) < 0.02, errs
+
+
+def test_the_h200_runs_reserved():
+    """The lent H200's 38 runs (benchmarks/results/gpu_lease/gpu_grid*.json, torch 2.11, both allocator modes)
+    against this tree's peak reserved (`python benchmarks/gpu_grid.py --summary ... --reserved-now`): a median
+    within 2 % (0.6 % when written). Two runs of the default allocator are off by one segment of the LM loss's
+    size, the allocator's chaotic case (docs/estimator.md): Llama-3.2-1B b8 s1024 with full recompute (-10.3 %,
+    a sixth 4 GiB segment the run made) and Qwen3-0.6B b8 s2048 with selective recompute (+12.5 %, one 9.3 GiB
+    segment the run did not make); each of the others is within 5 %."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gpu_grid", root / "benchmarks" / "gpu_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    rows = grid.reserved_now(sorted(str(p) for p in (root / "benchmarks/results/gpu_lease").glob("gpu_grid*.json")))
+    errs = {(r["case"], r["expandable_segments"]): r["predicted"] / r["measured"] - 1 for r in rows}
+    assert len(errs) == 38 and all(r["reserved_from"] == "replay" for r in rows)
+    assert statistics.median(map(abs, errs.values())) < 0.02
+    chaotic = {k: e for k, e in errs.items() if abs(e) > 0.05}
+    assert {k[0].split()[0] for k in chaotic} <= {"llama-3.2-1b", "qwen3-0.6b"} and len(chaotic) <= 2, chaotic
+    assert all(abs(e) < 0.13 for e in chaotic.values()) and not any(k[1] for k in chaotic)
 
 
 def test_meters_and_breakdown_add_up():
@@ -187,13 +232,18 @@ train_cfg = dict(cfg=_config())
 
 
 def _est(cfg, **change):
+    """The estimate with the segment arithmetic's reserved (simulate=False), the figure suggest's search filters
+    and ranks with: the monotone properties below hold for it by construction. The replay (the meter) simulates the
+    allocator, which is not monotone: in the falsifying examples hypothesis found when the replay became the meter,
+    bert-base fp32 at a larger batch reserved 40 MiB less, and Llama-3.2-1B fp16 at one token reserved 0.6 GiB more
+    with full checkpointing than without (the no-grad forward's cached blocks). Allocated is monotone either way."""
     c = cfg | change
     spec = memplan.resolve_model(c["model"])
     # a ViT reads its patches (--seq-len is refused); learned positions end at max_position (the
     # properties compare >=, so a sequence held at the last position still holds them)
     seq = None if spec.arch == "vision" else min(c["s"], spec.max_position) if spec.position == "learned" else c["s"]
     return memplan.estimate(c["model"], "h100-80g", micro_batch=c["b"], seq_len=seq, precision=c["precision"],
-                            optim=c["optim"], attn=c["attn"], grad_ckpt=c["ckpt"])
+                            optim=c["optim"], attn=c["attn"], grad_ckpt=c["ckpt"], simulate=False)
 
 
 @settings(max_examples=60, deadline=None)

@@ -65,10 +65,12 @@ def test_fit_recovers_a_polynomial_and_measures_a_misfit():
 
 def test_estimate_says_traced_and_matches_the_fake_trace():
     """Estimate vs verify --device fake on a model memplan has no analytic model of (Cohere2: one LayerNorm
-    for a parallel attention + MLP block, sliding and full layers), with and without checkpointing."""
+    for a parallel attention + MLP block, sliding and full layers), under full checkpointing (its forward's
+    sequence and the recompute's; without checkpointing: the accuracy suite, results/accuracy-traced.md, which this
+    test ran too until the suite needed its 12 s)."""
     from memplan.verify.run import run
 
-    for ckpt in ("none", "full"):
+    for ckpt in ("full",):
         work = dict(precision="bf16", seq_len=512, micro_batch=2, grad_ckpt=ckpt, optim="adamw_torch_fused")
         est = memplan.estimate(COHERE2, "a100-80g", **work)
         said = [n for n in est.notes if "traced coefficients of cohere2" in n]
@@ -77,7 +79,7 @@ def test_estimate_says_traced_and_matches_the_fake_trace():
         assert abs(rep.meters[0].error_pct) <= 3.0, (ckpt, rep.meters[0])
         # the replay of the traced sequences against the simulation of the traced step (each window one tensor
         # before: +8.5 % / +8.2 %)
-        replayed = next(m for m in rep.meters if m.meter == "simulated_reserved (default)")
+        replayed = next(m for m in rep.meters if m.meter == "peak_reserved")
         assert abs(replayed.error_pct) <= 3.0, (ckpt, replayed)
 
 

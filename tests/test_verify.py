@@ -70,7 +70,7 @@ def test_cpu_tracer_counts_real_allocations_like_the_fake_one():
 @pytest.mark.parametrize("case", FAST, ids=lambda c: f"{Path(c['model']).stem}-{c['precision']}-{c['attn']}-{c['grad_ckpt']}")
 def test_accuracy_fast_subset(case, verify_case):
     """The accuracy suite's fast cases: estimate within 5 % of the fake tracer's peak allocated; where the estimate
-    replays its allocations (estimator/timeline.py), its simulated reserved in both allocator modes within 12 % of
+    replays its allocations (estimator/timeline.py), its reserved in both allocator modes within 12 % of
     the allocator simulation of the traced ones (the issue's 5 % is not met yet on these small configurations: MoE routing
     transients and T5's position bias are not in the replayed lists; docs/estimator.md)."""
     from memplan.estimator.timeline import replayable
@@ -78,7 +78,8 @@ def test_accuracy_fast_subset(case, verify_case):
     rep = verify_case(case, "fake")
     assert rep.device == "fake" and abs(rep.meters[0].error_pct) <= 5, rep.breakdown
     if replayable(rep.estimate.workload):
-        reserved = [m for m in rep.meters if m.meter.startswith("simulated_reserved")]
+        assert rep.estimate.reserved_from == "replay"
+        reserved = [m for m in rep.meters if m.meter.startswith("peak_reserved")]
         assert len(reserved) == 2 and all(abs(m.error_pct) <= 12 for m in reserved), reserved
 
 
@@ -94,7 +95,7 @@ def test_verify_reads_a_suggest_plan_and_keeps_the_json_contract(tmp_path, mempl
     assert d["workload"]["micro_batch"] == best["micro_batch"] and d["gpu"] == "a100-80g"
     assert d["device"] == "fake" and [m["meter"] for m in d["meters"]] == [
         "peak_allocated", "peak_reserved", "device_used", "peak_reserved (expandable_segments)",
-        "simulated_reserved (default)", "simulated_reserved (expandable_segments)"]
+        "arithmetic_reserved (default)", "arithmetic_reserved (expandable_segments)"]
     for m in d["meters"]:
         assert m["verdict"] in ("ok", "close", "off") and m["measured_bytes"] > 0
 
@@ -167,7 +168,7 @@ def test_the_gpu_grid_asks_verify_what_its_options_accept(monkeypatch):
     table = grid.report(results, "test", "python benchmarks/gpu_grid.py").splitlines()
     assert len([line for line in table if line.startswith("| model=")]) == 3
     assert "failed: memplan: error: boom" in table[-3]
-    replayed = doc["estimate"]["by_allocator"]["default"]["simulated_reserved_bytes"] / 2**20
+    replayed = doc["estimate"]["by_allocator"]["default"]["peak_reserved_bytes"] / 2**20
     assert f"{replayed:,.3f} / " in table[-5] and table[-1].startswith("Median |error|: peak_allocated")
 
 

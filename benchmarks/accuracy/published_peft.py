@@ -25,12 +25,12 @@ GiB = 2**30
 
 
 def reserved(spec: dict, work: dict, seq_len: int, simulate: bool = False) -> int:
-    """The estimate's reserved, or with `simulate` the caching-allocator replay of its allocations
-    (by_allocator.default.simulated_reserved_bytes; docs/estimator.md)."""
+    """The estimate's reserved: the meter, the caching-allocator replay of its allocations, with `simulate`; the
+    segment arithmetic suggest's search ranks with without (docs/estimator.md)."""
     from memplan import api
 
     e = api.estimate(spec["model"], spec["gpu"], seq_len=seq_len, simulate=simulate, **spec["workload"], **work)
-    return e.by_allocator["default"]["simulated_reserved_bytes"] if simulate else e.peak_reserved_bytes
+    return e.peak_reserved_bytes
 
 
 def implied_length(spec: dict, work: dict, target: int) -> int | None:
@@ -67,8 +67,8 @@ def main() -> int:
           f"Source: {spec['source']}.", "", f"Setup: {spec['setup']}.", "", f"Meter: {spec['meter']}.", "",
           f"memplan: `memplan estimate --model {spec['model']} --gpu {spec['gpu']} -b 4 --seq-len {spec['seq_len']} "
           "--precision bf16-pure --grad-ckpt none --optim adamw_torch --method ...`", "",
-          "| run | memplan reserved GiB | published p99 GiB | error | published max GiB | error | "
-          "length where memplan reaches p99 | replayed reserved GiB | its error vs max |",
+          "| run | segment arithmetic GiB | published p99 GiB | error | published max GiB | error | "
+          "length where the arithmetic reaches p99 | memplan reserved (the replay) GiB | its error vs max |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         md.append(f"| {r['name']} | {r['predicted_reserved_bytes'] / GiB:.2f} | {r['reserved_99th_bytes'] / GiB:.2f} | "

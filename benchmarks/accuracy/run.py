@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["meets_goal"] = summary["median_abs_error_pct"] <= 2 and summary["max_abs_error_pct"] <= 5
     names = {m["meter"] for r in results for m in r["meters"]}
     for meter in ("peak_allocated", "peak_reserved", "device_used", "peak_reserved (expandable_segments)",
-                  "simulated_reserved (default)", "simulated_reserved (expandable_segments)"):
+                  "arithmetic_reserved (default)", "arithmetic_reserved (expandable_segments)"):
         e = [abs(m["error_pct"]) for r in results for m in r["meters"] if m["meter"] == meter]
         if meter in names:
             summary[meter] = {"cases": len(e), "median_abs_error_pct": round(statistics.median(e), 2),

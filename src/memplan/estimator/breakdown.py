@@ -72,6 +72,10 @@ class MemoryBreakdown(BaseModel):
     # reserved and device used under each allocator mode ("default", "expandable_segments": PYTORCH_CUDA_ALLOC_CONF
     # =expandable_segments:True); the meters above are the workload's own mode's
     by_allocator: dict[str, dict[str, int]] = {}
+    # how reserved (and device used) was predicted: "replay", the allocator simulation of the step's allocations
+    # in order (one GPU training a whole replica; then each mode also has `arithmetic_reserved_bytes`), or "segment
+    # arithmetic", the fast figure the search ranks with (docs/estimator.md, "Reserved and device used")
+    reserved_from: str = "segment arithmetic"
 
 
 class Peak(NamedTuple):
@@ -91,6 +95,7 @@ class Peak(NamedTuple):
     state_bytes: int  # weights + gradients + optimizer states (the optimizer step's traffic)
     rates: Throughput | None = None  # the speed model's prediction for this configuration
     by_allocator: dict[str, dict[str, int]] = {}  # meters.Meters.report
+    reserved_from: str = "segment arithmetic"  # or "replay": how reserved was predicted (MemoryBreakdown)
 
 
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
@@ -115,7 +120,7 @@ def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBrea
         peak_allocated_bytes=p.allocated, peak_reserved_bytes=p.reserved, device_used_bytes=p.device_used,
         capacity_bytes=gpu.memory_bytes, usable_bytes=usable, headroom_bytes=usable - p.device_used,
         fits=fits, notes=notes, cpu_ram_per_node_bytes=p.cpu_per_gpu * w.gpus,
-        params_per_gpu=p.params_per_gpu, by_allocator=p.by_allocator,
+        params_per_gpu=p.params_per_gpu, by_allocator=p.by_allocator, reserved_from=p.reserved_from,
         **({} if p.rates is None else dict(step_time_s=p.rates.step_seconds, samples_per_s=p.rates.samples_per_s,
                                            tokens_per_s=p.rates.tokens_per_s, mfu=p.rates.mfu)),
     )

@@ -361,13 +361,15 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool = False) 
 
 def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k: int, simulate: bool = False) -> Peak:
     """The report of cell (b, k) of a table, whose workload (with its micro batch and accumulation) is w.
-    simulate: add the simulated reserved of the replayed allocations where they cover w (timeline.py)."""
+    simulate: reserved and device used from the replay of the step's allocations where it covers w (timeline.py),
+    else the segment arithmetic of the table."""
     last = bool(t.pick_last[b, k])
     c, stage, i = t.cells[-1 if last else 0], t.stages[-1 if last else 0], int(t.moment[b, k])
     parts = {name: int(v[b, k]) for name, v in breakdown(c, t.moment).items()}
     allocated = int(t.allocated[b, k])
     by_mode = t.modes.report((b, k))
-    if simulate and replayable(w):
+    replayed = simulate and replayable(w)
+    if replayed:
         by_mode = _with_replay(by_mode, spec, gpu, w, allocated)
     modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
     reserved = modes["peak_reserved_bytes"]
@@ -378,18 +380,26 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
                 _per_layer_terms(spec, w), allocated, reserved, modes["device_used_bytes"], int(t.cpu_per_gpu[b, k]),
                 int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]),
                 cost.workload_rates(spec, gpu, w, w.micro_batch, w.grad_accum, float(t.step[b, k]),
-                                    cost.StepTime(*t.terms[:, b, k].tolist())), by_mode)
+                                    cost.StepTime(*t.terms[:, b, k].tolist())), by_mode,
+                "replay" if replayed else "segment arithmetic")
 
 
 def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, allocated: int) -> dict:
-    """Each allocator mode's reserved as the caching-allocator simulation gives it for the estimate's own
-    allocations replayed in order (timeline.py), beside the meters: these agree with verify's simulation of
-    traced allocations, but fall below real runs' measurements (docs/estimator.md), so the meters that decide
-    what fits stay the segment arithmetic."""
+    """Each allocator mode's meters from the caching-allocator simulation of the estimate's own allocations
+    replayed in order (timeline.py): the figure real runs and verify's simulation agree with (docs/estimator.md,
+    "Reserved and device used"). The segment arithmetic the search ranks and filters with stays beside it as
+    `arithmetic_reserved_bytes`; device used keeps what the arithmetic adds to reserved (the context, managed
+    memory)."""
     r = replay(ReplayKey.of(spec, w))
     ws = gpu_workspace(gpu)
     sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}
-    return {mode: v | {"simulated_reserved_bytes": max(sim[mode] + ws, allocated)} for mode, v in by_mode.items()}
+    out = {}
+    for mode, v in by_mode.items():
+        reserved = max(sim[mode] + ws, allocated)
+        beyond = v["device_used_bytes"] - v["peak_reserved_bytes"]
+        out[mode] = {"peak_reserved_bytes": reserved, "device_used_bytes": reserved + beyond,
+                     "arithmetic_reserved_bytes": v["peak_reserved_bytes"]}
+    return out
 
 
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:

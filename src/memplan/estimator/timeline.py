@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
-from memplan.estimator.allocator import CachingAllocator
+from memplan.estimator.allocator import simulate
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
                                        trained_blocks, tuned_params, under)
@@ -67,28 +67,29 @@ class Replayed(NamedTuple):
 
 @lru_cache(maxsize=64)
 def replay(k: ReplayKey) -> Replayed:
-    """Peak allocated and reserved of the replayed step in both allocator modes."""
-    default, expandable = _Sim(False), _Sim(True)
-    for sim in (default, expandable):
-        _Step(k, sim).run()
-    return Replayed(default.a.peak_allocated, default.a.peak_reserved, expandable.a.peak_reserved)
+    """Peak allocated and reserved of the replayed step in both allocator modes (the step's allocations made
+    once, then simulated under each mode)."""
+    events = _Events()
+    _Step(k, events).run()
+    default, expandable = simulate(events.events, False), simulate(events.events, True)
+    return Replayed(default.peak_allocated, default.peak_reserved, expandable.peak_reserved)
 
 
-class _Sim:
-    """One allocator simulation with integer keys handed out in order."""
+class _Events:
+    """A step's allocations in order as allocator.simulate reads them: (key, bytes) a malloc, (key, -1) a free;
+    integer keys handed out in order."""
 
-    def __init__(self, expandable: bool) -> None:
-        self.a = CachingAllocator(expandable)
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int]] = []
         self.n = 0
 
     def alloc(self, nbytes: float) -> int:
         self.n += 1
-        self.a.malloc(self.n, int(nbytes))
+        self.events.append((self.n, int(nbytes)))
         return self.n
 
     def free(self, keys: list[int]) -> None:
-        for key in keys:
-            self.a.free(key)
+        self.events.extend((key, -1) for key in keys)
 
 
 class _Block(NamedTuple):
@@ -143,7 +144,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
 class _Step:
     """The order of one training step's allocations (the estimator's lists; activations.py names each)."""
 
-    def __init__(self, k: ReplayKey, sim: _Sim) -> None:
+    def __init__(self, k: ReplayKey, sim: _Events) -> None:
         self.k, self.sim = k, sim
         self.spec = k.spec
         self.prec: Precision = PRECISIONS[k.precision]  # one replica: no half model (replayable)

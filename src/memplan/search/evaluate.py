@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from memplan.estimator.breakdown import with_host_limit
 from memplan.estimator.step import cell_peak, evaluate, peak, report
+from memplan.estimator.timeline import replayable
 from memplan.inputs import constraints
 from memplan.inputs.defaults import host_ram as default_host_ram
 from memplan.inputs.workload import Workload
@@ -110,9 +111,27 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     return Found(found, int(valid.sum()), short)
 
 
+def confirm(req: SearchRequest, c: Candidate) -> Candidate | None:
+    """A fitting candidate as its report has it: where the replay covers it (one GPU training a whole replica),
+    its meters from the replay of its allocations, which the search's segment arithmetic only bounds
+    (docs/estimator.md), and None when they do not fit. With the allocator left to memplan it runs the default
+    allocator where that fits, else expandable segments."""
+    if c.cell is None or not replayable(c.w):
+        return c
+    usable, t, b, k = _usable(req), *c.cell
+    by_mode = cell_peak(req.spec, req.gpu, t, c.w, b, k, simulate=True).by_allocator
+    modes = (False, True) if req.expandable_segments is None else (c.base.expandable_segments,)
+    for expandable in modes:
+        used = by_mode["expandable_segments" if expandable else "default"]["device_used_bytes"]
+        if used <= usable:
+            return c._replace(base=c.base.model_copy(update={"expandable_segments": expandable}),
+                              device_used=used, headroom=usable - used)
+    return None
+
+
 def plan(req: SearchRequest, c: Candidate) -> Plan:
-    """The Plan document of a candidate: its estimate (read from its table cell, with the host RAM it
-    was held to), and its step time."""
+    """The Plan document of a candidate: its estimate (read from its table cell, reserved replayed where the
+    replay covers it, with the host RAM it was held to), and its step time."""
     w = c.w
     st = c.step
     est = report(req.spec, req.gpu, w, _peak(req, c))
@@ -130,4 +149,4 @@ def _peak(req: SearchRequest, c: Candidate):
     if c.cell is None:  # inference: one configuration
         return peak(req.spec, req.gpu, c.w)
     t, b, k = c.cell
-    return cell_peak(req.spec, req.gpu, t, c.w, b, k)
+    return cell_peak(req.spec, req.gpu, t, c.w, b, k, simulate=True)

@@ -28,7 +28,7 @@ from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.profiles import GPUProfile
 from memplan.inputs.workload import Workload
-from memplan.search.evaluate import host_limit, host_ram, plan, search_pass
+from memplan.search.evaluate import confirm, host_limit, host_ram, plan, search_pass
 from memplan.search.plan import Alternative, Suggestion
 from memplan.search.rank import Candidate, distinct, explain, pareto, rank_key
 from memplan.search.request import SearchRequest
@@ -77,7 +77,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     notes: list[str] = []
     full = space(req)
     s = run_passes(req, full, notes)
-    found, sp = s.found, s.space
+    found, sp = confirm_ranked(req, s.found, req.top), s.space
     notes += plan_notes(req, found, sp, full)
     alternatives, n = alternatives_of(req, sp, found)
     kernel_alt, k = kernels_alternative(req, sp, found)
@@ -90,6 +90,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
                      + (f"; LoRA fits: {' or '.join(a.change for a in method_alt)}" if method_alt else ""))
     whole_front = pareto(found)
     shown = distinct(found, req.top)
+    front = [c for c in (confirm(req, c) for c in whole_front[:12]) if c is not None]
     if any(c.w.expandable_segments for c in shown) and not req.expandable_segments:
         notes.append("plans with expandable_segments fit only with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                      "(one growing segment per pool instead of a segment per cache miss); their launch.sh exports it")
@@ -101,8 +102,22 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
         host_ram_limit_bytes=host_limit(req, sp.gpus) if req.train else None,
         candidates=s.evaluated + n + k, search_seconds=time.perf_counter() - t0,
         plans=[plan(req, c) for c in shown],
-        pareto=[plan(req, c) for c in whole_front[:12]], pareto_size=len(whole_front),
+        pareto=[plan(req, c) for c in front], pareto_size=len(whole_front),
         why=explain(found[0], found, sp) if found else [], alternatives=alternatives, notes=notes)
+
+
+def confirm_ranked(req: SearchRequest, found: list[Candidate], top: int) -> list[Candidate]:
+    """The ranked candidates with the first `top` distinct ones confirmed by their replayed meters (evaluate.confirm):
+    those the replay says do not fit are dropped, the rest keep their rank. The ones after are as the search's
+    segment arithmetic has them."""
+    out: list[Candidate] = []
+    for i, c in enumerate(found):
+        if len(distinct(out, top)) == top:
+            return out + found[i:]
+        kept = confirm(req, c)
+        if kept is not None:
+            out.append(kept)
+    return out
 
 
 def _plain_trainer_first(req: SearchRequest) -> bool:
