@@ -86,7 +86,8 @@ class ActivationModel:
     # storages in the order the step makes them, for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its
     # death, (SAVED - k, 0) the list's k-th saved tensor born. A traced model's: a block's forward and the three
     # windows (traced.SEQUENCES); an analytic one's: eager attention's core in a block's forward
-    # (_eager_core_sequence), its other lists replayed in their order
+    # (_eager_core_sequence; under selective recomputation its no-grad run, _selective_core_sequence, and its
+    # recompute in backward, "layer_core"), its other lists replayed in their order
     sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
@@ -737,7 +738,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         s = spec.seq_positions
     T = b * s
     # the attention core is rebuilt in backward only under selective recomputation
-    core = [t for t in _layer(spec, b, s, prec, attn) if is_core(t)] if selective else []
+    whole = _layer(spec, b, s, prec, attn) if selective else []
+    core = [t for t in whole if is_core(t)]
     block = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
     dec_block = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) \
         if spec.num_decoder_layers else []
@@ -766,7 +768,9 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
-        sequences=_eager_core_sequence(spec, layer, b, s, prec, attn, tp),
+        sequences=_selective_core_sequence(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp)
+        | {"layer_core": _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])}
+        if selective else _eager_core_sequence(spec, layer, b, s, prec, attn, tp),
     )
 
 
@@ -812,6 +816,34 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
         later = [(SAVED - k, 0.0) for k in range(core[-1] + 1, len(layer))]
         return {"layer_forward": seq + [(4, sm * scores)] + rest + later + [(~4, 0.0)]}
     return {"layer_forward": seq + rest}
+
+
+def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int,
+                             prec: Precision, attn: str, tp: int) -> dict[str, list[tuple[int, float]]]:
+    """Selective recomputation: the checkpointed eager core runs once in the block's forward without autograd
+    recording it (torch.utils.checkpoint), so its tensors, the ones it would save among them, are made in
+    _eager_core_sequence's order and all die when it returns, between the block's tensors before it (its inputs)
+    and after it (markers into `layer`, the block's selective list; `whole` is the list without selective).
+    Traced: Llama-3.2-1B bf16 eager b1 s1024 makes each layer's fp32 masked scores and softmax output in the
+    forward (128 MiB each); without them the replay was +6.3 % over the simulation of the trace."""
+    seq = _eager_core_sequence(spec, whole, b, s, prec, attn, tp).get("layer_forward")
+    core = [k for k, t in enumerate(whole) if is_core(t)]
+    after = core[-1] + 1 if core else len(whole)
+    if not seq or after >= len(whole) or whole[after] not in layer:
+        return {}
+    out: list[tuple[int, float]] = []
+    fresh = 1 + max(n for n, _ in seq)  # ids past the sequence's own
+    for n, nbytes in seq:
+        if n > SAVED:
+            out.append((n, nbytes))
+        elif is_core(whole[SAVED - n]):  # a tensor the core would save: here one more transient
+            t = whole[SAVED - n]
+            out += [(fresh + i, t.nbytes / tp) for i in range(t.count)]
+            fresh += t.count
+    born = {n for n, _ in out if n >= 0}
+    out += [(~n, 0.0) for n in sorted(born - {~n for n, _ in out if n < 0})]
+    start = layer.index(whole[after])
+    return {"layer_forward": out + [(SAVED - k, 0.0) for k in range(start, len(layer))]}
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,

@@ -301,7 +301,10 @@ class _Step:
         """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts; a
         traced model's sequence holds its recompute, traced under checkpointing)."""
         full = self.k.grad_ckpt == "full" and not self.traced
-        again = (self.casts(block.groups) if full else []) + self.tensors([] if self.traced else recomputed)
+        # selective: the core's recompute in eager order where it has one (activations._selective_core_sequence)
+        rebuilt = _flat(self.ordered("layer_core", recomputed)) if self.am.sequences.get("layer_core") else \
+            self.tensors([] if self.traced else recomputed)
+        again = (self.casts(block.groups) if full else []) + rebuilt
         # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
         # traced: bert-base under freeze peaks there with the head's gradients only)
         if self.traced:
