@@ -288,3 +288,24 @@ def test_segment_arithmetic_brackets_the_simulation(tensors, rnd):
     simulated = reserved_for(order)
     estimated = segments_of(tensors)
     assert simulated - ALLOC_LARGE_BUFFER <= estimated <= 2 * simulated + ALLOC_LARGE_BUFFER
+
+
+def test_held_to_a_capacity_it_releases_wholly_free_segments_before_running_out():
+    """A cudaMalloc past the capacity releases the cached segments that are one free block (c10's
+    release_cached_blocks) and retries; a split segment with a live block stays."""
+    a = CachingAllocator(capacity=100 * MiB)
+    a.malloc(0, 40 * MiB)  # its own 40 MiB segment
+    a.malloc(1, 30 * MiB)  # and 30
+    a.malloc(2, 12 * MiB)
+    a.free(0)  # wholly free: cached
+    a.free(1)
+    a.malloc(3, 20 * MiB)  # best fit: the 30 MiB block, split (the rest is > 1 MiB)
+    assert a.reserved == 82 * MiB and not a.oom
+    a.malloc(4, 50 * MiB)  # 132 MiB would not fit: the free 40 MiB segment goes back, the split 30 stays
+    assert (a.reserved, a.oom) == (92 * MiB, False)
+    assert sorted(seg[0][0] for seg in a.layout()) == [12 * MiB, 20 * MiB, 50 * MiB]
+    a.malloc(5, 20 * MiB)  # nothing cached is wholly free: out of memory
+    assert a.oom and a.stats().oom
+    roomy = simulate([(0, 40 * MiB), (1, 30 * MiB), (0, -1), (2, 50 * MiB)])
+    held = simulate([(0, 40 * MiB), (1, 30 * MiB), (0, -1), (2, 50 * MiB)], capacity=90 * MiB)
+    assert (roomy.peak_reserved, held.peak_reserved, held.oom) == (120 * MiB, 80 * MiB, False)

@@ -67,7 +67,17 @@ def test_human_output_shows_plan_and_meters():
     ("suggest", "-m", "llama-3.1-8b", "-g", "h100", "--cpu-mem", "-1"),
     ("frobnicate",),
 ])
-def test_user_errors_are_one_line_exit_2(args):
+def test_user_errors_are_one_line_exit_2(args, memplan_cli):
+    """In this process (the CLI's main, as `python -m memplan` runs it): an uncaught exception fails the test
+    as a traceback would; test_a_user_error_through_the_entry_point covers the subprocess."""
+    r = memplan_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [("estimate", "-m", "bert-lage", "-g", "v100"), ("frobnicate",)])
+def test_a_user_error_through_the_entry_point(args):
     r = run(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -15,12 +15,14 @@ GPU = "a100-40g"
 
 @pytest.fixture(scope="module")
 def between():
-    """A headroom whose usable memory lies between the two modes' device used for llama-3.2-1b at batch 1."""
+    """A headroom whose usable memory lies between the two modes' device used for llama-3.2-1b at batch 1: 32 MiB
+    over what expandable segments need, where the default allocator, even releasing its cached segments when
+    it reaches the usable memory (about 0.1 GiB more), runs out."""
     e = memplan.estimate("llama-3.2-1b", GPU, micro_batch=1, **KW)
     default = e.by_allocator["default"]["device_used_bytes"]
     expandable = e.by_allocator["expandable_segments"]["device_used_bytes"]
     assert expandable < default  # one segment per pool: no per-segment rounding of the large tensors
-    return e, round(1 - (default + expandable) / 2 / e.capacity_bytes, 4)
+    return e, round(1 - (expandable + (32 << 20)) / e.capacity_bytes, 6)
 
 
 def test_estimate_reports_both_modes(between):

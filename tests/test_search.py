@@ -38,7 +38,7 @@ def test_estimate_reports_the_speed_suggest_ranks_by():
 def test_other_optimizers_only_reported_unless_allowed():
     closed = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024)
     assert {p.optim for p in closed.plans} <= {"adamw_torch_fused"}
-    opened = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024, optim="any", top=50)
+    opened = memplan.suggest("gpt2-xl", "a10g-24g", seq_len=1024, optim="any", top=8)
     assert len({p.optim for p in opened.plans}) > 1
 
 

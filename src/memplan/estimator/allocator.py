@@ -24,11 +24,17 @@ the shortfall beyond a free block already at the end, in pages of 2 MiB (small p
 pool, ``large_segment_size_mb``); any block splits when >= 512 B remain; best fit takes any other free
 block before the one at the end; nothing is unmapped without ``empty_cache``.
 
+``capacity`` (optional) holds the default allocator to that many reserved bytes, as a GPU of that size does:
+a cudaMalloc past it first releases every cached segment that is wholly free and retries
+(``release_cached_blocks`` in ``malloc``'s retry chain); past it still, the step runs out of memory (``oom``).
+torch first releases only as many cached blocks at least as large as the request as it needs
+(``release_available_cached_blocks``), and only then all; the simulation releases all at once. Under
+expandable segments a mapping past the capacity is out of memory (their pages' release is not modelled).
+
 Not modelled: ``roundup_power2_divisions``,
 ``max_split_size_mb`` (default unlimited, so the oversize-block rules never
 fire), ``garbage_collection_threshold``, memory fractions, multiple streams /
-``record_stream`` events, CUDA-graph private pools, ``empty_cache`` and the OOM
-path (release of cached blocks and retry). cudaMalloc addresses are modelled
+``record_stream`` events, CUDA-graph private pools and ``empty_cache``. cudaMalloc addresses are modelled
 as increasing with each new segment; they only matter for tie-breaking.
 """
 from __future__ import annotations
@@ -82,6 +88,7 @@ class AllocatorStats:
     final_reserved: int  # torch.cuda.memory_reserved() after the last event
     segments: int  # cudaMalloc'ed segments at the end
     peak_index: int  # event index where peak_reserved was first reached (-1: never)
+    oom: bool = False  # held to a capacity, a cudaMalloc failed even after the cached segments were released
 
 
 class CachingAllocator:
@@ -90,8 +97,10 @@ class CachingAllocator:
     Every call (including zero-byte ones) counts as one event for ``peak_index``.
     """
 
-    def __init__(self, expandable: bool = False) -> None:
+    def __init__(self, expandable: bool = False, capacity: int | None = None) -> None:
         self.expandable = expandable
+        self.capacity = capacity  # reserved bytes the device can hold (None: unlimited)
+        self.oom = False  # a cudaMalloc past the capacity, cached segments released
         self._end = dict(EXPANDABLE_BASE)  # expandable: each pool's mapped end
         self._last: dict[bool, Optional[_Block]] = {True: None, False: None}  # expandable: the block at the end
         self.allocated = self.reserved = 0
@@ -121,6 +130,9 @@ class CachingAllocator:
             block = self._expand(size, small)
         elif block is None:  # alloc_block: cudaMalloc a new segment
             seg = allocation_size(size)
+            if self.capacity is not None and self.reserved + seg > self.capacity:
+                self._release_cached()  # cudaMalloc failed: release the cached segments, retry
+                self.oom = self.oom or self.reserved + seg > self.capacity
             block = _Block(self._next_addr, seg, small)
             self._next_addr += seg
             self._blocks[block.addr] = block
@@ -175,7 +187,7 @@ class CachingAllocator:
 
     def stats(self) -> AllocatorStats:
         return AllocatorStats(self.peak_allocated, self.peak_reserved, self.allocated,
-                              self.reserved, len(self._segments), self.peak_index)
+                              self.reserved, len(self._segments), self.peak_index, self.oom)
 
     def layout(self) -> list[list[tuple[int, bool]]]:
         """Per segment, in address order: ``(block size, allocated)`` for each block."""
@@ -209,6 +221,7 @@ class CachingAllocator:
         page = EXPANDABLE_PAGE[small]
         grow = -(-(size - have) // page) * page
         self.reserved += grow
+        self.oom = self.oom or (self.capacity is not None and self.reserved > self.capacity)
         end = self._end[small]
         self._end[small] = end + grow
         if tail is not None:
@@ -223,6 +236,15 @@ class CachingAllocator:
         self._last[small] = block
         return block
 
+    def _release_cached(self) -> None:
+        """release_cached_blocks: every segment that is one free block (never split, or merged whole again) goes
+        back to the device."""
+        for base in [b for b in self._segments if self._blocks[b].next is None and not self._blocks[b].allocated]:
+            block = self._blocks.pop(base)
+            self._remove_free(block)
+            self._segments.remove(base)
+            self.reserved -= block.size
+
     def _insert_free(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.size, block.addr))
 
@@ -231,10 +253,11 @@ class CachingAllocator:
         del pool[bisect.bisect_left(pool, (block.size, block.addr))]
 
 
-def simulate(events: Iterable[tuple[int, int]], expandable: bool = False) -> AllocatorStats:
+def simulate(events: Iterable[tuple[int, int]], expandable: bool = False,
+             capacity: int | None = None) -> AllocatorStats:
     """Replay ``(key, nbytes)`` events: nbytes > 0 allocates (0 is ignored),
     nbytes < 0 (conventionally -1) frees the block allocated for ``key``."""
-    alloc = CachingAllocator(expandable)
+    alloc = CachingAllocator(expandable, capacity)
     for key, nbytes in events:
         if nbytes < 0:
             alloc.free(key)

@@ -98,8 +98,13 @@ class Peak(NamedTuple):
     reserved_from: str = "segment arithmetic"  # or "replay": how reserved was predicted (MemoryBreakdown)
 
 
+def usable_bytes(gpu: GPUProfile, headroom: float) -> int:
+    """The GPU's memory less the headroom the workload keeps free: what device used must fit."""
+    return int(gpu.memory_bytes * (1 - headroom))
+
+
 def report(spec: ModelSpec, gpu: GPUProfile, w: Workload, p: Peak) -> MemoryBreakdown:
-    usable = int(gpu.memory_bytes * (1 - w.headroom))
+    usable = usable_bytes(gpu, w.headroom)
     # a method's table in training (the model's own for full fine-tuning); inference precisions (int8, int4)
     # are no training precision a Tuning can read
     table = tuned_params(spec, Tuning.of(w)) if w.task == "train" else spec.params

@@ -25,11 +25,11 @@ import numpy as np
 from memplan.estimator import activation_arrays as A, traced
 from memplan.estimator.activations import shard
 from memplan.estimator.allocation import round_block, segments
-from memplan.estimator.breakdown import MemoryBreakdown, Peak, report
+from memplan.estimator.breakdown import MemoryBreakdown, Peak, report, usable_bytes
 from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import Meters, gpu_workspace, meters
-from memplan.estimator.timeline import ReplayKey, replay, replayable
+from memplan.estimator.timeline import Capped, ReplayKey, replay, replay_within, replayable
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum
 from memplan.inputs import constraints
@@ -376,7 +376,8 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
-    return Peak(parts, phases, PHASES[i], _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers),
+    notes = _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers) + _held_note(modes)
+    return Peak(parts, phases, PHASES[i], notes,
                 _per_layer_terms(spec, w), allocated, reserved, modes["device_used_bytes"], int(t.cpu_per_gpu[b, k]),
                 int(t.params_per_gpu[b, k]), int(t.saved[b, k]), int(t.state[b, k]),
                 cost.workload_rates(spec, gpu, w, w.micro_batch, w.grad_accum, float(t.step[b, k]),
@@ -389,8 +390,11 @@ def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, a
     replayed in order (timeline.py): the figure real runs and verify's simulation agree with (docs/estimator.md,
     "Reserved and device used"). The segment arithmetic the search ranks and filters with stays beside it as
     `arithmetic_reserved_bytes`; device used keeps what the arithmetic adds to reserved (the context, managed
-    memory)."""
-    r = replay(ReplayKey.of(spec, w))
+    memory). Where the default allocator's high-water mark does not fit the usable memory, the replay is held to
+    it, as the GPU holds the allocator, which releases its cached segments before it runs out
+    (`roomy_reserved_bytes`: the high-water mark a GPU with room would read)."""
+    key = ReplayKey.of(spec, w)
+    r = replay(key)
     ws = gpu_workspace(gpu)
     sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}
     out = {}
@@ -399,7 +403,23 @@ def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, a
         beyond = v["device_used_bytes"] - v["peak_reserved_bytes"]
         out[mode] = {"peak_reserved_bytes": reserved, "device_used_bytes": reserved + beyond,
                      "arithmetic_reserved_bytes": v["peak_reserved_bytes"]}
+        usable = usable_bytes(gpu, w.headroom)
+        room = usable - beyond - ws  # what the allocator may reserve beside the workspace
+        held = replay_within(Capped(key, room)) if mode == "default" and reserved + beyond > usable else None
+        if held is not None:
+            out[mode] |= {"peak_reserved_bytes": max(held + ws, allocated), "roomy_reserved_bytes": reserved,
+                          "device_used_bytes": max(held + ws, allocated) + beyond}
     return out
+
+
+def _held_note(modes: dict) -> list[str]:
+    """Where the replay was held to the usable memory (_with_replay), what a GPU with room would read."""
+    roomy = modes.get("roomy_reserved_bytes")
+    if roomy is None:
+        return []
+    return [f"reserved held to the usable memory: the caching allocator releases its cached segments when a "
+            f"cudaMalloc would not fit, and runs this step in {modes['peak_reserved_bytes'] / 2**30:.2f} GiB; a GPU "
+            f"with room would show {roomy / 2**30:.2f} GiB (max_memory_reserved)"]
 
 
 def _notes(spec: ModelSpec, w: Workload, stage: int, flight: float, n_layers: int) -> list[str]:

@@ -75,6 +75,23 @@ def replay(k: ReplayKey) -> Replayed:
     return Replayed(default.peak_allocated, default.peak_reserved, expandable.peak_reserved)
 
 
+class Capped(NamedTuple):
+    """A replay held to a device's capacity: the reserved bytes the allocator may hold (a frozen cache key)."""
+
+    key: ReplayKey
+    capacity: int
+
+
+@lru_cache(maxsize=64)
+def replay_within(c: Capped) -> int | None:
+    """Peak reserved of the replayed step under the default allocator held to `c.capacity` bytes, which releases
+    its cached segments when a cudaMalloc would pass it (allocator.CachingAllocator); None: it runs out even so."""
+    events = _Events()
+    _Step(c.key, events).run()
+    s = simulate(events.events, False, c.capacity)
+    return None if s.oom else s.peak_reserved
+
+
 class _Events:
     """A step's allocations in order as allocator.simulate reads them: (key, bytes) a malloc, (key, -1) a free;
     integer keys handed out in order."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.estimator.breakdown import with_host_limit
+from memplan.estimator.breakdown import usable_bytes, with_host_limit
 from memplan.estimator.step import cell_peak, evaluate, peak, report
 from memplan.estimator.timeline import replayable
 from memplan.inputs import constraints
@@ -55,7 +55,7 @@ def search_pass(req: SearchRequest, sp: Space, notes: list[str] | None = None) -
 
 
 def _usable(req: SearchRequest) -> int:
-    return int(req.gpu.memory_bytes * (1 - req.headroom))
+    return usable_bytes(req.gpu, req.headroom)
 
 
 def _infer(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> Found:

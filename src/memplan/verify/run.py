@@ -349,8 +349,6 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
             device_note: str) -> VerifyReport:
     notes: list[str] = []
     ws = est.breakdown.get("workspace", 0)
-    # The tracer sees tensors, not the cuBLAS workspace: fake / cpu compare the estimate's tensor part.
-    predicted_tensors = est.peak_allocated_bytes - ws
     tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)  # a training step's
     if w.task == "infer":  # a decode forward's new tokens, or the scoring forward's
         tokens = w.micro_batch * w.beams * (1 if w.max_new_tokens else w.seq_len)
@@ -370,26 +368,7 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
         keys = [k for k in est.breakdown if k not in ("workspace", "allocator_overhead", "cuda_context")]
         breakdown = {k: {"predicted": est.breakdown.get(k, 0), "measured": measured.get(k, 0)}
                      for k in dict.fromkeys(keys + list(measured))}
-        # the workspace is its own segment; the workload's allocator mode gives the meters, the other one a row
-        simulated = {"default": s.peak_reserved, "expandable_segments": s.peak_reserved_expandable}
-        own, other = ("expandable_segments", "default") if w.expandable_segments else ("default", "expandable_segments")
-        reserved = simulated[own] + ws
-        meters = [check("peak_allocated", predicted_tensors, s.peak_allocated, "traced tensors"),
-                  check("peak_reserved", est.peak_reserved_bytes, reserved,
-                        "modelled: allocator simulation (expandable segments) of the traced allocations"
-                        if w.expandable_segments else
-                        "modelled: allocator simulation of the traced allocations + cuBLAS workspace"),
-                  check("device_used", est.device_used_bytes, reserved + cuda_context,
-                        "modelled: simulated reserved + the profile's CUDA context")]
-        if est.by_allocator:
-            meters.append(check(f"peak_reserved ({other})", est.by_allocator[other]["peak_reserved_bytes"],
-                                simulated[other] + ws,
-                                f"modelled: allocator simulation under {other} + cuBLAS workspace"))
-        for mode, sim in simulated.items():
-            arithmetic = est.by_allocator.get(mode, {}).get("arithmetic_reserved_bytes")
-            if arithmetic is not None:  # the meters above are the replay; this is the search's fast figure
-                meters.append(check(f"arithmetic_reserved ({mode})", arithmetic, sim + ws,
-                                    "the segment arithmetic suggest's search ranks with, same simulation"))
+        meters = _traced_meters(est, s, w, ws, cuda_context)
         notes.append("peak_allocated compares tensor bytes: the estimate's cuBLAS workspace "
                      f"({ws / 2**20:.0f} MiB) is not a tensor and is left out of both sides")
         peak_phase, peak_op, phases, kernels = s.peak_phase, s.peak_op, s.phases, run["kernels"]
@@ -404,6 +383,35 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
         sdpa_kernels=kernels, step_time_s=round(step, 4) if step else None,
         tokens_per_s=round(tokens / step, 1) if step else None, run_seconds=round(run.get("seconds", sum(times)), 2),
         verdict=meters[0].verdict, estimate=est, notes=notes)
+
+
+def _traced_meters(est: MemoryBreakdown, s, w: Workload, ws: int, cuda_context: int) -> list:
+    """fake / cpu: the estimate's meters against the traced step, reserved against its allocator simulation (the
+    workspace its own segment): the workload's allocator mode gives the meters, the other one a row, and where the
+    estimate's reserved is the replay, the segment arithmetic's figures are rows too."""
+    predicted_tensors = est.peak_allocated_bytes - ws  # the tracer sees tensors, not the cuBLAS workspace
+    simulated = {"default": s.peak_reserved, "expandable_segments": s.peak_reserved_expandable}
+    own, other = ("expandable_segments", "default") if w.expandable_segments else ("default", "expandable_segments")
+    reserved = simulated[own] + ws
+    # the traced step's simulation has room: against it, the estimate's high-water mark where the estimate held
+    # the replay to the usable memory (estimator/step.py _with_replay)
+    roomy = est.by_allocator.get(own, {}).get("roomy_reserved_bytes", est.peak_reserved_bytes)
+    meters = [check("peak_allocated", predicted_tensors, s.peak_allocated, "traced tensors"),
+              check("peak_reserved", roomy, reserved,
+                    "modelled: allocator simulation (expandable segments) of the traced allocations"
+                    if w.expandable_segments else
+                    "modelled: allocator simulation of the traced allocations + cuBLAS workspace"),
+              check("device_used", est.device_used_bytes - est.peak_reserved_bytes + roomy, reserved + cuda_context,
+                    "modelled: simulated reserved + the profile's CUDA context")]
+    if est.by_allocator:
+        meters.append(check(f"peak_reserved ({other})", est.by_allocator[other]["peak_reserved_bytes"],
+                            simulated[other] + ws, f"modelled: allocator simulation under {other} + cuBLAS workspace"))
+    for mode, sim in simulated.items():
+        arithmetic = est.by_allocator.get(mode, {}).get("arithmetic_reserved_bytes")
+        if arithmetic is not None:  # the meters above are the replay; this is the search's fast figure
+            meters.append(check(f"arithmetic_reserved ({mode})", arithmetic, sim + ws,
+                                "the segment arithmetic suggest's search ranks with, same simulation"))
+    return meters
 
 
 # -- the command ---------------------------------------------------------------------------------------
