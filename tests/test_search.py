@@ -21,6 +21,19 @@ def test_bert_large_v100_plan_fits_without_bf16():
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_a_plan_the_arithmetic_puts_just_over_is_kept_when_its_replay_fits():
+    """bert-large fp16 on a V100 16 GB at micro batch 16: the segment arithmetic the search filters with says
+    15.95 GiB device used, over the 14.99 usable; the replay of its allocations says 14.95 and fits, and it is
+    the fastest plan (suggestion.promote). Without the replay's say (simulate=False) it would not be a plan."""
+    s = memplan.suggest("bert-large", "v100-16g")
+    best = s.plans[0]
+    assert (best.micro_batch, best.grad_ckpt, best.estimate.reserved_from) == (16, "none", "replay")
+    assert best.estimate.fits and best.samples_per_s > max(p.samples_per_s for p in s.plans if p.micro_batch < 16)
+    fast = memplan.estimate("bert-large", "v100-16g", micro_batch=16, grad_accum=2, seq_len=512, precision="fp16",
+                            attn="sdpa", simulate=False)
+    assert not fast.fits
+
+
 def test_estimate_reports_the_speed_suggest_ranks_by():
     """estimate's step_time_s / samples_per_s / tokens_per_s / mfu for a plan's own workload are the plan's
     (issue 17): one speed model, read by both."""

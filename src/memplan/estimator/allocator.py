@@ -130,7 +130,7 @@ class CachingAllocator:
             block = self._expand(size, small)
         elif block is None:  # alloc_block: cudaMalloc a new segment
             seg = allocation_size(size)
-            if self.capacity is not None and self.reserved + seg > self.capacity:
+            if self.capacity is not None and not self.oom and self.reserved + seg > self.capacity:
                 self._release_cached()  # cudaMalloc failed: release the cached segments, retry
                 self.oom = self.oom or self.reserved + seg > self.capacity
             block = _Block(self._next_addr, seg, small)

@@ -405,7 +405,9 @@ def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, a
                      "arithmetic_reserved_bytes": v["peak_reserved_bytes"]}
         usable = usable_bytes(gpu, w.headroom)
         room = usable - beyond - ws  # what the allocator may reserve beside the workspace
-        held = replay_within(Capped(key, room)) if mode == "default" and reserved + beyond > usable else None
+        # held only where the tensors themselves fit: past that no release of cached segments helps
+        tight = mode == "default" and reserved + beyond > usable >= allocated + beyond
+        held = replay_within(Capped(key, room)) if tight else None
         if held is not None:
             out[mode] |= {"peak_reserved_bytes": max(held + ws, allocated), "roomy_reserved_bytes": reserved,
                           "device_used_bytes": max(held + ws, allocated) + beyond}

@@ -27,6 +27,13 @@ class Found(NamedTuple):
     evaluated: int  # how many were evaluated (all of them: one table per layout)
     # the least host RAM per node among candidates that fit the GPU but not the host RAM (0: none)
     host_short: int = 0
+    near: tuple = ()  # candidates the segment arithmetic puts over the GPU by less than ARITHMETIC_SLACK
+
+
+# The segment arithmetic the search filters with over-predicts what the replay and real runs reserve: on the lent
+# H200's 38 runs a median 9.5 %, at most 21.9 % (docs/estimator.md). A candidate it puts over the usable memory by
+# less than this share may fit by its replay, which suggest asks for the fastest few (suggestion.promote).
+ARITHMETIC_SLACK = 0.25
 
 
 def host_limit(req: SearchRequest, gpus: int) -> int | None:
@@ -42,16 +49,18 @@ def _least(a: int, b: int) -> int:
 def search_pass(req: SearchRequest, sp: Space, notes: list[str] | None = None) -> Found:
     """Every fitting candidate of the space (notes: where to say which layouts the batch rules out)."""
     found: list[Candidate] = []
+    near: list[Candidate] = []
     n = short = 0
     for tp, pp, dp in layouts(req, sp, [] if notes is None else notes):
         per_rank = sp.global_batch // dp
         ws = bases(req, sp, tp, pp, dp)
         if ws:
-            more, m, s = (_train if req.train else _infer)(req, sp, ws, per_rank)
-            found += more
-            n += m
-            short = _least(short, s)
-    return Found(found, n, short)
+            f = (_train if req.train else _infer)(req, sp, ws, per_rank)
+            found += f.candidates
+            near += f.near
+            n += f.evaluated
+            short = _least(short, f.host_short)
+    return Found(found, n, short, tuple(near))
 
 
 def _usable(req: SearchRequest) -> int:
@@ -89,26 +98,41 @@ def _train(req: SearchRequest, sp: Space, ws: list[Workload], per_rank: int) -> 
     if req.expandable_segments is not None:  # the user decided: True runs every base with them, False none
         expand[:] = False
     fits = fits | expand
+    least = t.device_used if req.expandable_segments is not None else np.minimum(
+        t.device_used, t.modes.device_used_expandable)
+    near = valid & ~fits & (least <= usable * (1 + ARITHMETIC_SLACK))
     limit, short = host_limit(req, sp.gpus), 0
     if limit is not None:  # host RAM is a limit like the GPU's: what offload pins must fit it
         host = t.cpu_per_gpu * sp.gpus
         over = fits & (host > limit)
         short = int(host[over].min()) if over.any() else 0
         fits &= ~over
+        near &= host <= limit
+    found = _candidates(req, sp, ws, mbs, per_rank, t, fits, expand)
+    return Found(found, int(valid.sum()), short, tuple(_candidates(req, sp, ws, mbs, per_rank, t, near, expand)))
+
+
+def _candidates(req: SearchRequest, sp: Space, ws: list[Workload], mbs: list[int], per_rank: int, t, cells,
+                expand) -> list[Candidate]:
+    """The Candidates of a layout's table at its `cells` (a boolean table), with their step time; a cell in
+    `expand` runs with expandable segments."""
+    import numpy as np
+
+    spec, gpu, usable = req.spec, req.gpu, _usable(req)
     seq_eff = spec.seq_positions if spec.arch == "vision" else sp.seq
     flops = {(a, g): flops_per_token(spec, seq_eff, a, g)[0] for a in sp.attns for g in sp.ckpts}
     model_f = [flops[(w.attn, w.grad_ckpt)] for w in ws]  # model FLOPs: no recompute
     used, steps, terms = t.device_used.tolist(), t.step.tolist(), t.terms.transpose(1, 2, 0).tolist()
-    found = []
-    rows, cols = np.nonzero(fits)
+    out = []
+    rows, cols = np.nonzero(cells)
     used_exp = t.modes.device_used_expandable.tolist()
     for b, k in zip(rows.tolist(), cols.tolist()):
         w, mb, m, dev = ws[b], mbs[k], per_rank // mbs[k], used[b][k]
         if expand[b, k]:
             w, dev = w.model_copy(update={"expandable_segments": True}), used_exp[b][k]
         r = workload_rates(spec, gpu, w, mb, m, steps[b][k], StepTime(*terms[b][k]), model_f[b])
-        found.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
-    return Found(found, int(valid.sum()), short)
+        out.append(Candidate(w, mb, m, dev, usable - dev, r, (t, b, k)))
+    return out
 
 
 def confirm(req: SearchRequest, c: Candidate) -> Candidate | None:

@@ -23,6 +23,7 @@ import time
 from typing import Any, NamedTuple
 
 from memplan.estimator.finetune import ALL_LINEAR, assumed, default_targets
+from memplan.estimator.timeline import replayable
 from memplan.estimator.states import half_model
 from memplan.inputs.defaults import OPTIM
 from memplan.inputs.modelspec import ModelSpec
@@ -36,6 +37,8 @@ from memplan.search.space import (
     Space, best_mixed_precision, defaults, divisors, kernel_options, space, supported_precisions,
 )
 
+# how many candidates the segment arithmetic rejects the search replays to see whether they fit (promote)
+PROMOTED = 3
 # what the user keeps closed, and the option that would open it (said when nothing fits)
 CLOSED_KNOBS = (("--grad-ckpt full", lambda sp, train: "full" in sp.ckpts),
                 ("--optim any", lambda sp, train: len(sp.optims) > 1 or not train),
@@ -67,6 +70,7 @@ class Searched(NamedTuple):
     evaluated: int
     space: Space  # the space of the plans shown (its gpus / nodes: the world they run on)
     host_short: int = 0  # the least host RAM per node that would have let a GPU-fitting plan fit (0: none)
+    near: tuple = ()  # candidates the segment arithmetic puts just over the GPU (evaluate.ARITHMETIC_SLACK)
 
 
 @_without_gc
@@ -77,7 +81,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
     notes: list[str] = []
     full = space(req)
     s = run_passes(req, full, notes)
-    found, sp = confirm_ranked(req, s.found, req.top), s.space
+    found, sp = promote(req, confirm_ranked(req, s.found, req.top), s.near), s.space
     notes += plan_notes(req, found, sp, full)
     alternatives, n = alternatives_of(req, sp, found)
     kernel_alt, k = kernels_alternative(req, sp, found)
@@ -120,6 +124,18 @@ def confirm_ranked(req: SearchRequest, found: list[Candidate], top: int) -> list
     return out
 
 
+def promote(req: SearchRequest, found: list[Candidate], near: tuple) -> list[Candidate]:
+    """The ranked plans with those the segment arithmetic rejected that fit by their replay: of the candidates it
+    puts just over the GPU (evaluate.ARITHMETIC_SLACK), the PROMOTED fastest that would rank above the best plan
+    are replayed (evaluate.confirm). bert-large fp16 on a V100 16 GB: micro batch 16, 15.95 GiB device used by
+    the arithmetic, replays to 14.95 of 14.99 usable, and trains 11 % faster than micro batch 8."""
+    key = functools.partial(rank_key, objective=req.objective)
+    # only the replay can say a candidate fits that the arithmetic puts over (not under ZeRO, several GPUs, ...)
+    ahead = sorted((c for c in near if replayable(c.w) and (not found or key(c) < key(found[0]))), key=key)
+    kept = [c for c in (confirm(req, c) for c in ahead[:PROMOTED]) if c is not None]
+    return sorted(kept + found, key=key) if kept else found
+
+
 def _plain_trainer_first(req: SearchRequest) -> bool:
     """Training with no sharding named: on one GPU the plain Trainer is searched first, DeepSpeed only
     where it does not fit."""
@@ -133,22 +149,24 @@ def run_passes(req: SearchRequest, full: Space, notes: list[str]) -> Searched:
     # master copy instead of autocast) or offloads to the host.
     deepspeed_later = full.world == 1 and _plain_trainer_first(req)
     sp = full._replace(zeros=[0], offloads=["none"]) if deepspeed_later else full
-    found, n, short = search_pass(req, sp, notes)
+    found, n, short, near = search_pass(req, sp, notes)
+    if deepspeed_later and not found:  # what the arithmetic puts just over may fit by its replay, before DeepSpeed
+        found = promote(req, found, near)
     if deepspeed_later and not found:
-        found, m, short = search_pass(req, full._replace(zeros=[1, 2, 3]), notes)
+        found, m, short, near = search_pass(req, full._replace(zeros=[1, 2, 3]), notes)
         n, sp = n + m, full
         if found:
             notes.append("the plain Trainer does not fit one GPU: DeepSpeed ZeRO with offload does")
     if req.objective == "min-gpus" and found:
         for g, nn in _smaller_worlds(sp.gpus, sp.nodes):
             smaller = sp._replace(gpus=g, nodes=nn)
-            f2, m, _ = search_pass(req, smaller)
+            f2, m, _, near2 = search_pass(req, smaller)
             n += m
             if f2:
-                found, sp = f2, smaller
+                found, sp, near = f2, smaller, near2
                 break
     found.sort(key=lambda c: rank_key(c, req.objective))
-    return Searched(found, n, sp, short)
+    return Searched(found, n, sp, short, near)
 
 
 def plan_notes(req: SearchRequest, found: list[Candidate], sp: Space, full: Space) -> list[str]:
@@ -196,7 +214,7 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
     layout = sp if best is None else sp._replace(
         tps=[best.base.tp], pps=[best.base.pp], zeros=[best.base.zero], offloads=[best.base.offload],
         sps=[best.base.sp], vpps=[best.base.vpp], fsdps=[best.base.fsdp])
-    wider, n, _ = search_pass(req, layout._replace(
+    wider, n, *_ = search_pass(req, layout._replace(
         precisions=sp.precisions if req.precision is not None else supported_precisions(req.spec, req.gpu, req.task),
         optims=sp.optims if req.optim is not None else [OPTIM, "adamw_bnb_8bit", "adafactor"]))
     wider.sort(key=lambda c: rank_key(c, req.objective))
@@ -228,7 +246,7 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     plain = _plain_trainer_first(req)
     n, with_kernels = 0, []
     for space_ in ([sp._replace(zeros=[0], offloads=["none"])] if plain else []) + [sp]:
-        wider, m, _ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
+        wider, m, *_ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
         n += m
         with_kernels = sorted((c for c in wider if c.base.kernels or c.base.tiled_mlp),
                               key=lambda c: rank_key(c, req.objective))
@@ -251,7 +269,7 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
     best, out, n = (found[0] if found else None), [], 0
     req, targets = _lora_request(req)
     for method in ("lora", "qlora"):
-        cands, m, _ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
+        cands, m, *_ = search_pass(req, sp._replace(methods=[method], zeros=[0], offloads=["none"]))
         n += m
         if not cands or (best is not None and max(c.mb for c in cands) <= best.mb):
             continue
