@@ -27,9 +27,9 @@ block before the one at the end; nothing is unmapped without ``empty_cache``.
 ``capacity`` (optional) holds the default allocator to that many reserved bytes, as a GPU of that size does:
 a cudaMalloc past it first releases every cached segment that is wholly free and retries
 (``release_cached_blocks`` in ``malloc``'s retry chain); past it still, the step runs out of memory (``oom``).
-torch first releases only as many cached blocks at least as large as the request as it needs
-(``release_available_cached_blocks``), and only then all; the simulation releases all at once. Under
-expandable segments a mapping past the capacity is out of memory (their pages' release is not modelled).
+The retry chain's first step, ``release_available_cached_blocks``, releases nothing while ``max_split_size_mb`` is
+unset (the default). Under expandable segments a mapping past the capacity is out of memory (their pages'
+release is not modelled).
 
 Not modelled: ``roundup_power2_divisions``,
 ``max_split_size_mb`` (default unlimited, so the oversize-block rules never

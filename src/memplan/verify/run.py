@@ -404,7 +404,8 @@ def _traced_meters(est: MemoryBreakdown, s, w: Workload, ws: int, cuda_context: 
               check("device_used", est.device_used_bytes - est.peak_reserved_bytes + roomy, reserved + cuda_context,
                     "modelled: simulated reserved + the profile's CUDA context")]
     if est.by_allocator:
-        meters.append(check(f"peak_reserved ({other})", est.by_allocator[other]["peak_reserved_bytes"],
+        theirs = est.by_allocator[other]
+        meters.append(check(f"peak_reserved ({other})", theirs.get("roomy_reserved_bytes", theirs["peak_reserved_bytes"]),
                             simulated[other] + ws, f"modelled: allocator simulation under {other} + cuBLAS workspace"))
     for mode, sim in simulated.items():
         arithmetic = est.by_allocator.get(mode, {}).get("arithmetic_reserved_bytes")
