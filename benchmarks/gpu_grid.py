@@ -114,20 +114,23 @@ def _meters(r: dict) -> dict:
     return {m["meter"]: m for m in r["verify"]["meters"]}
 
 
+def _mode(r: dict) -> dict:
+    """The estimate's figures under the run's allocator mode (by_allocator)."""
+    mode = "expandable_segments" if r["expandable_segments"] else "default"
+    return (r["verify"]["estimate"].get("by_allocator") or {}).get(mode, {})
+
+
 def _replayed(r: dict) -> int | None:
     """The estimate's replayed reserved in the run's allocator mode: runs before the replay became the meter
     (e66ef13's) reported it as `simulated_reserved_bytes` beside the segment arithmetic."""
-    e = r["verify"]["estimate"]
-    mode = (e.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default", {})
+    mode = _mode(r)
     return mode.get("simulated_reserved_bytes") or (mode.get("peak_reserved_bytes")
-                                                     if e.get("reserved_from") == "replay" else None)
+                                                     if r["verify"]["estimate"].get("reserved_from") == "replay" else None)
 
 
 def _arithmetic(r: dict) -> int:
     """The segment arithmetic's reserved: the meter of e66ef13's runs, `arithmetic_reserved_bytes` since."""
-    e = r["verify"]["estimate"]
-    mode = (e.get("by_allocator") or {}).get("expandable_segments" if r["expandable_segments"] else "default", {})
-    return mode.get("arithmetic_reserved_bytes") or _meters(r)["peak_reserved"]["predicted_bytes"]
+    return _mode(r).get("arithmetic_reserved_bytes") or _meters(r)["peak_reserved"]["predicted_bytes"]
 
 
 def row(r: dict) -> str:

@@ -750,6 +750,11 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         layer += lora_terms(lora.layer, T, prec, lora)
         dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
         saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora)
+    if selective:  # the core's no-grad run in the forward, and its recompute in backward, each in eager order
+        sequences = _selective_core_sequence(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp)
+        sequences["layer_core"] = _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])
+    else:
+        sequences = _eager_core_sequence(spec, layer, b, s, prec, attn, tp)
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
@@ -768,9 +773,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
-        sequences=_selective_core_sequence(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp)
-        | {"layer_core": _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])}
-        if selective else _eager_core_sequence(spec, layer, b, s, prec, attn, tp),
+        sequences=sequences,
     )
 
 

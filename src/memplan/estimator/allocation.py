@@ -22,7 +22,7 @@ def as_int(x):
 def round_block(nbytes):
     """Bytes the allocator charges to memory_allocated for one tensor: its size rounded up to 512 B
     (kMinBlockSize). A number gives an int, an array an int64 array; byte counts are never negative."""
-    n = nbytes if type(nbytes) is int else as_int(nbytes)  # the allocator simulation's ints skip the conversion
+    n = as_int(nbytes)
     return -(-n // ALLOC_MIN_BLOCK) * ALLOC_MIN_BLOCK
 
 

@@ -395,22 +395,20 @@ def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, a
     (`roomy_reserved_bytes`: the high-water mark a GPU with room would read)."""
     key = ReplayKey.of(spec, w)
     r = replay(key)
-    ws = gpu_workspace(gpu)
+    ws, usable = gpu_workspace(gpu), usable_bytes(gpu, w.headroom)
     sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}
     out = {}
     for mode, v in by_mode.items():
-        reserved = max(sim[mode] + ws, allocated)
+        roomy = max(sim[mode] + ws, allocated)
         beyond = v["device_used_bytes"] - v["peak_reserved_bytes"]
+        # held only where the tensors themselves fit: past that no release of cached segments helps
+        tight = mode == "default" and roomy + beyond > usable >= allocated + beyond
+        held = replay_within(Capped(key, usable - beyond - ws)) if tight else None  # what the allocator may reserve
+        reserved = roomy if held is None else max(held + ws, allocated)
         out[mode] = {"peak_reserved_bytes": reserved, "device_used_bytes": reserved + beyond,
                      "arithmetic_reserved_bytes": v["peak_reserved_bytes"]}
-        usable = usable_bytes(gpu, w.headroom)
-        room = usable - beyond - ws  # what the allocator may reserve beside the workspace
-        # held only where the tensors themselves fit: past that no release of cached segments helps
-        tight = mode == "default" and reserved + beyond > usable >= allocated + beyond
-        held = replay_within(Capped(key, room)) if tight else None
         if held is not None:
-            out[mode] |= {"peak_reserved_bytes": max(held + ws, allocated), "roomy_reserved_bytes": reserved,
-                          "device_used_bytes": max(held + ws, allocated) + beyond}
+            out[mode]["roomy_reserved_bytes"] = roomy
     return out
 
 

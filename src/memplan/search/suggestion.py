@@ -97,7 +97,7 @@ def suggest(spec: ModelSpec, gpu: GPUProfile, **options: Any) -> Suggestion:
                      + (f"; LoRA fits: {' or '.join(a.change for a in method_alt)}" if method_alt else ""))
     whole_front = pareto(found)
     shown = distinct(found, req.top)
-    front = [c for c in (confirm(req, c) for c in whole_front[:12]) if c is not None]
+    front = list(_confirmed(req, whole_front[:12]))
     if any(c.w.expandable_segments for c in shown) and not req.expandable_segments:
         notes.append("plans with expandable_segments fit only with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                      "(one growing segment per pool instead of a segment per cache miss); their launch.sh exports it")
@@ -137,9 +137,14 @@ def promote(req: SearchRequest, found: list[Candidate], near: tuple) -> list[Can
     the arithmetic, replays to 14.95 of 14.99 usable, and trains 11 % faster than micro batch 8."""
     key = functools.partial(rank_key, objective=req.objective)
     # only the replay can say a candidate fits that the arithmetic puts over (not under ZeRO, several GPUs, ...)
-    ahead = sorted((c for c in near if replayable(c.w) and (not found or key(c) < key(found[0]))), key=key)
-    kept = [c for c in (confirm(req, c) for c in ahead[:PROMOTED]) if c is not None]
-    return sorted(kept + found, key=key) if kept else found
+    ahead = _ranked(req, [c for c in near if replayable(c.w) and (not found or key(c) < key(found[0]))])
+    kept = list(_confirmed(req, ahead[:PROMOTED]))
+    return _ranked(req, kept + found) if kept else found
+
+
+def _confirmed(req: SearchRequest, cands: list[Candidate]):
+    """The candidates that fit by their replay, as evaluate.confirm has them, in order (lazily: each is a replay)."""
+    return (c for c in map(functools.partial(confirm, req), cands) if c is not None)
 
 
 def _plain_trainer_first(req: SearchRequest) -> bool:
@@ -227,7 +232,7 @@ def alternatives_of(req: SearchRequest, sp: Space, found: list[Candidate]) -> tu
     wider, n, *_ = search_pass(req, layout._replace(
         precisions=sp.precisions if req.precision is not None else supported_precisions(req.spec, req.gpu, req.task),
         optims=sp.optims if req.optim is not None else [OPTIM, "adamw_bnb_8bit", "adafactor"]))
-    wider.sort(key=lambda c: rank_key(c, req.objective))
+    wider = _ranked(req, wider)
     mine = (best.base.precision, best.base.optim) if best else (best_mixed_precision(req.gpu, req.task), OPTIM)
     out: list[Alternative] = []
     seen = {mine}
@@ -258,11 +263,10 @@ def kernels_alternative(req: SearchRequest, sp: Space, found: list[Candidate]) -
     for space_ in ([sp._replace(zeros=[0], offloads=["none"])] if plain else []) + [sp]:
         wider, m, *_ = search_pass(req, space_._replace(kernels=fused, tiled=tiled))
         n += m
-        with_kernels = sorted((c for c in wider if c.base.kernels or c.base.tiled_mlp),
-                              key=lambda c: rank_key(c, req.objective))
+        with_kernels = _ranked(req, [c for c in wider if c.base.kernels or c.base.tiled_mlp])
         if with_kernels:
             break
-    c = next((x for x in map(functools.partial(confirm, req), with_kernels[:PROMOTED]) if x is not None), None)
+    c = next(_confirmed(req, with_kernels[:PROMOTED]), None)
     if c is None or (best is not None and c.samples_per_s <= best.samples_per_s * 1.01):
         return [], n
     change = " ".join(opt for opt, on in (("--kernels", c.base.kernels), ("--tiled-mlp", c.base.tiled_mlp)) if on)

@@ -395,7 +395,8 @@ def _traced_meters(est: MemoryBreakdown, s, w: Workload, ws: int, cuda_context: 
     reserved = simulated[own] + ws
     # the traced step's simulation has room: against it, the estimate's high-water mark where the estimate held
     # the replay to the usable memory (estimator/step.py _with_replay)
-    roomy = est.by_allocator.get(own, {}).get("roomy_reserved_bytes", est.peak_reserved_bytes)
+    highs = {m: v.get("roomy_reserved_bytes", v["peak_reserved_bytes"]) for m, v in est.by_allocator.items()}
+    roomy = highs.get(own, est.peak_reserved_bytes)
     meters = [check("peak_allocated", predicted_tensors, s.peak_allocated, "traced tensors"),
               check("peak_reserved", roomy, reserved,
                     "modelled: allocator simulation (expandable segments) of the traced allocations"
@@ -404,9 +405,8 @@ def _traced_meters(est: MemoryBreakdown, s, w: Workload, ws: int, cuda_context: 
               check("device_used", est.device_used_bytes - est.peak_reserved_bytes + roomy, reserved + cuda_context,
                     "modelled: simulated reserved + the profile's CUDA context")]
     if est.by_allocator:
-        theirs = est.by_allocator[other]
-        meters.append(check(f"peak_reserved ({other})", theirs.get("roomy_reserved_bytes", theirs["peak_reserved_bytes"]),
-                            simulated[other] + ws, f"modelled: allocator simulation under {other} + cuBLAS workspace"))
+        meters.append(check(f"peak_reserved ({other})", highs[other], simulated[other] + ws,
+                            f"modelled: allocator simulation under {other} + cuBLAS workspace"))
     for mode, sim in simulated.items():
         arithmetic = est.by_allocator.get(mode, {}).get("arithmetic_reserved_bytes")
         if arithmetic is not None:  # the meters above are the replay; this is the search's fast figure
