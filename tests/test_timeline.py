@@ -73,7 +73,7 @@ def test_replay_is_a_cached_pure_function():
 
 
 @pytest.mark.parametrize("kw", [dict(gpus=2), dict(gpus=2, zero=2), dict(gpus=2, fsdp="full-shard"),
-                                dict(method="qlora"), dict(task="infer", grad_ckpt="none")])
+                                dict(method="qlora")])
 def test_outside_the_replay_only_the_segment_arithmetic(kw):
     spec = memplan.resolve_model("llama-3.2-1b")
     work = dict(micro_batch=1, seq_len=1024, precision="bf16", grad_ckpt="full") | kw

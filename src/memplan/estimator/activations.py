@@ -852,7 +852,7 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
                           full_logits: bool, context: int = 0, dequant: int = 0) -> dict[str, list[Tensors]]:
     """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
-    "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`,
+    "head"; and "around", the layers' shared part of theirs) over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`,
     transformers 5.23 modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under
     autocast); context: the keys each query attends to (a decode step's cache length; 0: the s tokens).
     - a layer's MLP: the residual stream held four times (the embedding output, which the model's forward
@@ -898,7 +898,16 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # self.self_attn(...)), which keeps them alive through the MLP (traced: gpt-oss)
         mlp = mlp + [Tensors("attention probabilities (kept by the layer)", p * b * spec.num_heads * s * (context or s))]
     layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
-    return {k: around + ts for k, ts in layer.items()} | {"head": head}
+    if spec.norm == "rmsnorm" and r != FP32:
+        # in pure half an RMSNorm's fp32 input copy and its fp32 normalised product, before each of a block's two
+        # norms return (traced: OLMo 2 bf16-pure's small pool peaks there; under autocast the stream is fp32 already);
+        # only the serving replay reads these moments (the attention's and the MLP's are larger)
+        rms = [Tensors("rmsnorm fp32 input copy, normalised", FP32 * h * T, 2)]
+        layer |= {"norm": [Tensors("embedding output, layer input", r * h * T, 2)] + rms,
+                  "mlp norm": [Tensors("embedding output, layer input, residual", r * h * T, 3)] + rms}
+    # "around": what every layer reads, the first entries of each layer moment's list (the serving replay makes them
+    # once a forward: serving_timeline.py)
+    return {k: around + ts for k, ts in layer.items()} | {"head": head, "around": around}
 
 
 def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool,
@@ -1039,12 +1048,19 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
         own = family(spec.model_type).eager_score_tensors
         # FalconAttention's eager path: QK^T in the matmul dtype, the rest in the hidden states' dtype (scores +
-        # the float mask, softmax(..., dtype=hidden_states.dtype) as two _softmax results at its peak) (traced)
-        width = p + (own - 1) * r if own else m + sm
-        core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv)]
+        # the float mask, softmax(..., dtype=hidden_states.dtype) as two _softmax results at its peak) (traced).
+        # Each its own storage: the serving replay (serving_timeline.py) allocates them one by one
+        widths = [p] + [r] * (own - 1) if own else [m] + ([FP32] * (sm // FP32) if fp32_softmax else [sm])
+        core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv,
+                        kind=TensorKind.CORE) for width in widths]
     else:
         core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
     out = {"attention": stream + qkv_ts + core}
+    if attn == "eager" and not family(spec.model_type).eager_score_tensors:
+        # before the mask: QK^T and its scaled copy, the product freed after the sum (eager_attention_forward:
+        # matmul(q, k^T) * scaling, then + mask), both in the matmul dtype (traced: StarCoder 2). Only the serving
+        # replay reads this moment (the masked scores' moment is larger)
+        out["scores"] = stream + qkv_ts + [Tensors("QK^T and its scaled copy", p * b * a * s * s_kv, 2)]
     if spec.position == "rotary" and not spec.is_mla:
         # apply_rotary_pos_emb: q, q * cos, rotate_half(q) (a torch.cat) and its product with sin live together
         # beside k and v (traced: Qwen3 under autocast)

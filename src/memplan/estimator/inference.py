@@ -3,7 +3,7 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.estimator.activations import Tensors, inference_working_set, rotary_in_stream_dtype, total
+from memplan.estimator.activations import Tensors, TensorKind, inference_working_set, rotary_in_stream_dtype, total
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
@@ -113,17 +113,23 @@ def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
     return cache, cache_head, cache_mlp
 
 
+def serving_widths(spec: ModelSpec, precision: str) -> tuple[int, int, int]:
+    """(matmul outputs, the residual stream, the cached keys): bytes per element while serving at `precision`."""
+    fmt = WEIGHT_FORMATS[precision]
+    p = FP32 if fmt.compute == "fp32" else HALF
+    r = FP32 if fmt.compute == "fp32" or precision in ("fp16", "bf16") else HALF  # the fp32 weights' under autocast
+    # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
+    # under autocast k is fp32 and is cached so; v, a projection's output, stays in the matmul dtype
+    # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
+    return p, r, r if rotary_in_stream_dtype(spec) else p
+
+
 def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     """The largest of the moments of a serving step (docs/estimator.md, "Inference"): inside the prefill's last
     layer (the layers' autocast copies cast, the head's not yet), at the prefill's head, the last decode step."""
     fmt = WEIGHT_FORMATS[w.precision]
     autocast = w.precision in ("fp16", "bf16")
-    p = FP32 if fmt.compute == "fp32" else HALF  # matmul outputs
-    r = FP32 if fmt.compute == "fp32" or autocast else HALF  # the residual stream: the fp32 weights' under autocast
-    # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
-    # under autocast k is fp32 and is cached so; v, a projection's output, stays in the matmul dtype
-    # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
-    kv_b = r if rotary_in_stream_dtype(spec) else p
+    p, r, kv_b = serving_widths(spec, w.precision)
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, spec, g)) + round_block(spec.buffer_bytes)
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
@@ -156,7 +162,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
         _half_experts_note(spec, fmt))
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
-    act_segments = segments_of([(t.nbytes, t.count) for t in work_ts])
+    act_segments = segments_of(_arithmetic_items(work_ts))
     mt = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
     allocated, (reserved, used) = mt.allocated, mt.mode(w.expandable_segments)
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
@@ -193,3 +199,10 @@ def _speed(spec: ModelSpec, gpu: GPUProfile, w: Workload, working: int, kv_bytes
 
 def _rounded_total(ts: list[Tensors]) -> int:
     return sum(round_block(t.nbytes) * t.count for t in ts)
+
+
+def _arithmetic_items(ts: list[Tensors]) -> list[tuple[float, int]]:
+    """(bytes, count) the segment arithmetic charges: eager's core storages (TensorKind.CORE, separate for the
+    serving replay) as one, as the arithmetic was calibrated (docs/estimator.md, "Reserved and device used")."""
+    core = sum(t.total for t in ts if t.kind == TensorKind.CORE)
+    return [(t.nbytes, t.count) for t in ts if t.kind != TensorKind.CORE] + ([(core, 1)] if core else [])

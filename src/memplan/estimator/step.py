@@ -29,7 +29,8 @@ from memplan.estimator.breakdown import MemoryBreakdown, Peak, report, usable_by
 from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import Meters, gpu_workspace, meters
-from memplan.estimator.timeline import Capped, ReplayKey, replay, replay_within, replayable
+from memplan.estimator.serving_timeline import ServingKey, serving_replayable
+from memplan.estimator.timeline import Capped, ReplayKey, StepKey, replay, replay_within, replayable
 from memplan.estimator.rules import OPTIMIZERS, PRECISIONS
 from memplan.estimator.states import StageStates, StatesKey, half_model, states_row, tied_grad_sum
 from memplan.inputs import constraints
@@ -354,7 +355,7 @@ def peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool = False) 
     """The three meters of one GPU at the peak moment of a step, and the bytes by category (no
     validation of `w` against the model or the hardware: `estimate` does that)."""
     if w.task == "infer":
-        return inference_peak(spec, gpu, w)
+        return _serving_peak(spec, gpu, w, simulate)
     t = evaluate(spec, gpu, [w], [w.micro_batch], w.micro_batch * w.grad_accum)
     return cell_peak(spec, gpu, t, w, 0, 0, simulate)
 
@@ -370,7 +371,7 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     by_mode = t.modes.report((b, k))
     replayed = simulate and replayable(w)
     if replayed:
-        by_mode = _with_replay(by_mode, spec, gpu, w, allocated)
+        by_mode = _with_replay(by_mode, ReplayKey.of(spec, w), gpu, w, allocated)
     modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
     reserved = modes["peak_reserved_bytes"]
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
@@ -385,7 +386,21 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
                 "replay" if replayed else "segment arithmetic")
 
 
-def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, allocated: int) -> dict:
+def _serving_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool) -> Peak:
+    """A serving step's meters: reserved and device used from the replay of its allocations (serving_timeline.py)
+    where it covers the workload, else the segment arithmetic's."""
+    p = inference_peak(spec, gpu, w)
+    if not (simulate and serving_replayable(spec, w)):
+        return p
+    by_mode = _with_replay(p.by_allocator, ServingKey.of(spec, w), gpu, w, p.allocated)
+    modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
+    reserved = modes["peak_reserved_bytes"]
+    return p._replace(parts=p.parts | {"allocator_overhead": reserved - p.allocated}, reserved=reserved,
+                      device_used=modes["device_used_bytes"], notes=p.notes + _held_note(modes), by_allocator=by_mode,
+                      reserved_from="replay")
+
+
+def _with_replay(by_mode: dict, key: StepKey, gpu: GPUProfile, w: Workload, allocated: int) -> dict:
     """Each allocator mode's meters from the caching-allocator simulation of the estimate's own allocations
     replayed in order (timeline.py): the figure real runs and verify's simulation agree with (docs/estimator.md,
     "Reserved and device used"). The segment arithmetic the search ranks and filters with stays beside it as
@@ -393,7 +408,6 @@ def _with_replay(by_mode: dict, spec: ModelSpec, gpu: GPUProfile, w: Workload, a
     memory). Where the default allocator's high-water mark does not fit the usable memory, the replay is held to
     it, as the GPU holds the allocator, which releases its cached segments before it runs out
     (`roomy_reserved_bytes`: the high-water mark a GPU with room would read)."""
-    key = ReplayKey.of(spec, w)
     r = replay(key)
     ws, usable = gpu_workspace(gpu), usable_bytes(gpu, w.headroom)
     sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}

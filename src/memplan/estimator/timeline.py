@@ -13,7 +13,7 @@ first creates the optimizer states) of at most two micro batches each: the alloc
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
@@ -51,12 +51,24 @@ class ReplayKey(NamedTuple):
         return cls(spec, ActsKey.of(spec, w), Tuning.of(w), w.precision, w.optim, w.momentum > 0, w.grad_ckpt,
                    w.micro_batch, min(w.grad_accum, MICRO_BATCHES), w.zero_grad)
 
+    def events(self) -> list[tuple[int, int]]:
+        """The step's allocations in order (a serving step's key, serving_timeline.ServingKey, has its own)."""
+        events = Events()
+        _Step(self, events).run()
+        return events.events
+
 
 def replayable(w: Workload) -> bool:
     """The configurations the replay covers: training one whole replica on one GPU, QLoRA aside (its
     dequantisation transients are not in the activation lists)."""
     return (w.task == "train" and w.world == 1 and w.zero == 0 and w.fsdp == "none" and w.offload == "none"
             and w.method != "qlora")
+
+
+class StepKey(Protocol):
+    """A replay's frozen key: a training step's (ReplayKey) or a serving step's (serving_timeline.ServingKey)."""
+
+    def events(self) -> list[tuple[int, int]]: ...
 
 
 class Replayed(NamedTuple):
@@ -66,10 +78,10 @@ class Replayed(NamedTuple):
 
 
 @lru_cache(maxsize=64)
-def replay(k: ReplayKey) -> Replayed:
+def replay(k: StepKey) -> Replayed:
     """Peak allocated and reserved of the replayed step in both allocator modes (the step's allocations made
     once, then simulated under each mode)."""
-    events = _step_events(k)
+    events = k.events()
     default, expandable = simulate(events, False), simulate(events, True)
     return Replayed(default.peak_allocated, default.peak_reserved, expandable.peak_reserved)
 
@@ -77,7 +89,7 @@ def replay(k: ReplayKey) -> Replayed:
 class Capped(NamedTuple):
     """A replay held to a device's capacity: the reserved bytes the allocator may hold (a frozen cache key)."""
 
-    key: ReplayKey
+    key: StepKey
     capacity: int
 
 
@@ -85,17 +97,11 @@ class Capped(NamedTuple):
 def replay_within(c: Capped) -> int | None:
     """Peak reserved of the replayed step under the default allocator held to `c.capacity` bytes, which releases
     its cached segments when a cudaMalloc would pass it (allocator.CachingAllocator); None: it runs out even so."""
-    s = simulate(_step_events(c.key), False, c.capacity)
+    s = simulate(c.key.events(), False, c.capacity)
     return None if s.oom else s.peak_reserved
 
 
-def _step_events(k: ReplayKey) -> list[tuple[int, int]]:
-    events = _Events()
-    _Step(k, events).run()
-    return events.events
-
-
-class _Events:
+class Events:
     """A step's allocations in order as allocator.simulate reads them: (key, bytes) a malloc, (key, -1) a free;
     integer keys handed out in order."""
 
@@ -120,7 +126,7 @@ class _Block(NamedTuple):
     recorded: bool  # autograd records it: it has a backward
 
 
-def _spread(count: int, blocks: range) -> dict[int, int]:
+def spread(count: int, blocks: range) -> dict[int, int]:
     """`count` tensors of a group over `blocks`, as evenly as they go (a group only the first block has, e.g.
     T5's relative_attention_bias: the first)."""
     share = [count // len(blocks) + (j < count % len(blocks)) for j in range(len(blocks))]
@@ -143,7 +149,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
         blocks = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
         if t.method == "freeze" and head_stack(spec, g.module) and not under(g.module, t.modules_to_save):
             blocks = trained_range if g.trainable else range(head.start, trained_range.start)
-        for b, n in _spread(g.count, blocks).items():
+        for b, n in spread(g.count, blocks).items():
             per[b].append((i, n))
     frozen_recorded = records_frozen_blocks(spec, t)
     out = []
@@ -164,7 +170,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
 class _Step:
     """The order of one training step's allocations (the estimator's lists; activations.py names each)."""
 
-    def __init__(self, k: ReplayKey, sim: _Events) -> None:
+    def __init__(self, k: ReplayKey, sim: Events) -> None:
         self.k, self.sim = k, sim
         self.spec = k.spec
         self.prec: Precision = PRECISIONS[k.precision]  # one replica: no half model (replayable)

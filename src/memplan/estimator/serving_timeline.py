@@ -1,0 +1,265 @@
+"""A serving step's allocations in order, for the caching-allocator replay (timeline.replay; docs/estimator.md,
+"Inference"): what `memplan verify --task infer` runs (verify/infer.py serve: generate written out).
+
+- the weights in module order (the embeddings, each block's, the final norm, the head), as they are loaded
+  (model.parameters(): module registration order), at the bytes bitsandbytes stores where it converts them;
+- the prompts' token ids;
+- the prefill: the embedding output and what every layer reads (RoPE's tables, masks) before the blocks; in each
+  block its live tensors moment by moment (activations.inference_working_set's "rotary", "attention", "mlp": the
+  step from one moment's set to the next frees what the next does not hold and makes what it adds), its KV cache
+  made where RoPE has run, autocast's cached weight copies made as the block first reads them; then the head's
+  final norm, logits and generate's fp32 copy of them;
+- each decode step the same at one token a sequence, each layer's cache grown by torch.cat (the grown key and
+  value made, then the old ones freed: transformers 5.24 DynamicLayer.update, traced). Past DECODE_BLOCK_PASSES
+  the decode steps are replayed in even strides that end at the last step (the cache grows by the stride at each
+  replayed step).
+
+Limitations, stated: a moment's tensors are matched to the previous moment's by size (the traced order interleaves
+births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans);
+beam search's cache reordering is not run (verify does not run it either).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memplan.estimator.activations import Tensors, inference_working_set
+from memplan.estimator.families import family
+from memplan.estimator.finetune import in_decoder
+from memplan.estimator.inference import dequantised_copy, layer_windows, serving_widths, weight_bytes
+from memplan.estimator.parallel import tied_head
+from memplan.estimator.rules import HALF, WEIGHT_FORMATS
+from memplan.estimator.states import LINEAR_CATEGORIES
+from memplan.estimator.timeline import Events, spread
+from memplan.inputs.modelspec import ModelSpec, ParamGroup
+from memplan.inputs.workload import Workload
+
+# decode steps replayed one by one while steps x blocks stays within DECODE_BLOCK_PASSES (about 0.15 s of replay),
+# else in even strides, at least MIN_DECODE_STEPS of them. Strides under-state the fragmentation a long generation's
+# growing caches leave in the default allocator: GPT-2 fp32, 32 sequences, 512 + 512 tokens replays 6.8 GiB
+# reserved in 16 strides, 8.6 in 32, 9.0 in 64, 9.1 in 128, 10.1 GiB step by step (docs/estimator.md)
+DECODE_BLOCK_PASSES = 1024
+MIN_DECODE_STEPS = 16
+INT64 = 8  # token ids
+# the moments of a block, in the order its forward reaches them (its first norm, RoPE, eager's scores before their
+# mask, the attention core, the second norm, then the MLP)
+MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp")
+# the moments whose projections read weights: autocast casts a block's as the first of them starts
+CAST_BEFORE = ("rotary", "scores", "attention", "mlp")
+# the weights autocast casts as the attention reads them; the rest of a block's (MLP, experts, router) before its MLP
+ATTENTION_CASTS = ("attention",)
+
+
+class ServingKey(NamedTuple):
+    """Everything the serving replay reads (a frozen, hashable cache key)."""
+
+    spec: ModelSpec
+    precision: str
+    attn: str
+    sequences: int  # micro batch x beams
+    prompt: int
+    new_tokens: int
+    static: bool  # StaticCache
+
+    @classmethod
+    def of(cls, spec: ModelSpec, w: Workload) -> "ServingKey":
+        return cls(spec, w.precision, w.attn, w.micro_batch * w.beams, w.seq_len, w.max_new_tokens,
+                   w.kv_cache == "static")
+
+    def events(self) -> list[tuple[int, int]]:
+        events = Events()
+        _Serve(self, events).run()
+        return events.events
+
+
+def serving_replayable(spec: ModelSpec, w: Workload) -> bool:
+    """Serving on one GPU (tensor-parallel serving is refused: inputs/constraints.py), an encoder-decoder aside (its
+    encoder runs once and its decoder's cross-attention cache is not modelled: the segment arithmetic)."""
+    return w.task == "infer" and w.world == 1 and spec.arch != "encoder-decoder"
+
+
+def decode_lengths(prompt: int, new_tokens: int, blocks: int) -> list[int]:
+    """The cache length after each replayed decode step: every step within the budget (DECODE_BLOCK_PASSES), else
+    as many as it allows in even strides ending at the last (the prefill gives the first new token: new_tokens - 1
+    decode steps)."""
+    steps = max(new_tokens - 1, 0)
+    most = max(MIN_DECODE_STEPS, DECODE_BLOCK_PASSES // max(blocks, 1))
+    if steps <= most:
+        return [prompt + t for t in range(1, steps + 1)]
+    return [prompt + round(i * steps / most) for i in range(1, most + 1)]
+
+
+class _Serve:
+    """The order of one serving step's allocations."""
+
+    def __init__(self, k: ServingKey, sim: Events) -> None:
+        self.k, self.sim, self.spec = k, sim, k.spec
+        self.fmt = WEIGHT_FORMATS[k.precision]
+        self.autocast = k.precision in ("fp16", "bf16")
+        self.p, self.r, self.kv_b = serving_widths(k.spec, k.precision)
+        self.generate = k.new_tokens > 0
+        self.blocks = _block_groups(k.spec)
+        self.windows = layer_windows(k.spec) if self.generate else ()
+        self.cache: list[tuple[int, int]] = []  # each cached layer's (key, value) storages
+        self.casts_made = False
+
+    def run(self) -> None:
+        for g, n in _module_order(self.spec, self.blocks):
+            for _ in range(n):
+                self.sim.alloc(g.numel * weight_bytes(self.fmt, self.spec, g))
+        if self.spec.buffer_bytes:
+            self.sim.alloc(self.spec.buffer_bytes)
+        self.sim.alloc(self.k.sequences * self.k.prompt * INT64)
+        self.forward(self.k.prompt, 0)
+        self.casts_made = True
+        for length in decode_lengths(self.k.prompt, self.k.new_tokens, len(self.blocks)):
+            self.forward(1, length)
+
+    def forward(self, tokens: int, context: int) -> None:
+        """One forward of `tokens` a sequence (context: the cache length a decode step attends to; 0: prefill)."""
+        k = self.k
+        seqs = k.sequences
+        ws = inference_working_set(self.spec, seqs, tokens, self.p, self.r, k.attn, full_logits=not self.generate,
+                                   context=context, dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens))
+        stream = self.r * self.spec.hidden_size * seqs * tokens
+        embed = self.sim.alloc(stream)
+        around = self.tensors(ws["around"])
+        held = embed
+        for b, groups in enumerate(self.blocks):
+            out = self.block(b, groups, ws, stream, context)
+            if held != embed:
+                self.sim.free([held])
+            held = out
+        # the head: the final norm reads the last block's output, then the base model's locals are gone
+        head = self.tensors(ws["head"][:1])
+        self.sim.free(([] if held == embed else [held]) + [embed] + around)
+        if not self.casts_made:
+            self.casts(self.head_groups())
+            self.tied_cast()
+        self.sim.free(head + self.tensors(ws["head"][1:]))
+
+    def block(self, b: int, groups: list[tuple[ParamGroup, int]], ws: dict[str, list[Tensors]], stream: int,
+              context: int) -> int:
+        """One block's forward; returns its output's key. The block's own tensors are a moment's set less what every
+        layer reads (ws["around"]) and the two residual-stream tensors held across blocks (the embedding output
+        and the block's input)."""
+        local: list[tuple[int, int]] = []  # (bytes, key) of the block's live tensors
+        cast = {True: False, False: False}  # the attention's casts made, the rest's made
+        for moment in MOMENTS:
+            if moment not in ws:
+                continue
+            if moment in CAST_BEFORE and not cast[moment != "mlp"]:  # as the projections first read them
+                self.layer_casts(groups, attention=moment != "mlp")
+                cast[moment != "mlp"] = True
+            local = self.reach(local, _own(ws[moment], ws["around"], stream))
+            if moment == "rotary" or (moment == "attention" and "rotary" not in ws):
+                self.kv(b, context)
+        out = self.sim.alloc(stream)
+        self.sim.free([key for _, key in local])
+        return out
+
+    def reach(self, live: list[tuple[int, int]], target: list[int]) -> list[tuple[int, int]]:
+        """From the live tensors to the moment's: those of a size it holds stay, the others are freed, then the
+        missing ones are made, in the moment's list order."""
+        want = list(target)
+        kept, gone = [], []
+        for nbytes, key in live:
+            if nbytes in want:
+                want.remove(nbytes)
+                kept.append((nbytes, key))
+            else:
+                gone.append(key)
+        self.sim.free(gone)
+        return kept + [(n, self.sim.alloc(n)) for n in want]
+
+    def kv(self, b: int, context: int) -> None:
+        """Block b's cache update: the prefill makes its key and value (StaticCache its whole length); a decode
+        step's torch.cat makes the grown pair, then frees the old (StaticCache writes in place, but a sliding
+        layer past its window rolls it through a cat)."""
+        if b >= len(self.windows) or not self.generate:
+            return
+        window = self.windows[b]
+        if self.k.static:
+            total = self.k.prompt + self.k.new_tokens
+            size = total if window is None else min(total, window)
+            if not context:
+                self.cache.append(self.kv_pair(size))
+            elif window is not None and context > window:
+                self.sim.free(list(self.kv_pair(window)))
+            return
+        tokens = self.k.prompt if not context else (context if window is None else min(context, window))
+        grown = self.kv_pair(tokens)
+        if context:
+            self.sim.free(list(self.cache[b]))
+            self.cache[b] = grown
+        else:
+            self.cache.append(grown)
+
+    def kv_pair(self, tokens: int) -> tuple[int, int]:
+        """A layer's key and value storages for `tokens` a sequence (inference.kv_bytes_per_token's widths; MLA: the
+        latent and the shared rotary key)."""
+        spec, seqs = self.spec, self.k.sequences
+        if spec.is_mla:
+            key, value = spec.kv_lora_rank * self.kv_b, spec.qk_rope_head_dim * self.kv_b
+        else:
+            key, value = spec.num_kv_heads * spec.head_dim * self.kv_b, spec.num_kv_heads * spec.head_dim * self.p
+        return self.sim.alloc(key * seqs * tokens), self.sim.alloc(value * seqs * tokens)
+
+    def tensors(self, ts: list[Tensors]) -> list[int]:
+        return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
+
+    def casts(self, groups: list[tuple[ParamGroup, int]], attention: bool | None = None) -> list[int]:
+        """Autocast's half copies of the fp32 linear weights among `groups` (attention: the attention's only, or with
+        False the others; None: all), cached for the whole no_grad region (verify/infer.py: cache_enabled)."""
+        if not self.autocast:
+            return []
+        return [self.sim.alloc(g.numel * HALF) for g, n in groups if g.category in LINEAR_CATEGORIES
+                and (attention is None or (g.category in ATTENTION_CASTS) == attention) for _ in range(n)]
+
+    def layer_casts(self, groups: list[tuple[ParamGroup, int]], attention: bool) -> None:
+        """A block's casts: made by the first forward and cached; where the family's layers bypass the cache
+        (Falcon: families.Family.autocast_caches_layer_weights), made and freed again by every forward."""
+        if family(self.spec.model_type).autocast_caches_layer_weights:
+            if not self.casts_made:
+                self.casts(groups, attention)
+            return
+        self.sim.free(self.casts(groups, attention))
+
+    def head_groups(self) -> list[tuple[ParamGroup, int]]:
+        return [(g, g.count) for g in self.spec.params if g.category == "head"]
+
+    def tied_cast(self) -> list[int]:
+        """A tied LM head's matmul casts the fp32 embedding matrix (inference._serving_casts)."""
+        if not (self.autocast and tied_head(self.spec)):
+            return []
+        return [self.sim.alloc(self.spec.vocab_size * self.spec.hidden_size * HALF)]
+
+
+def _own(moment: list[Tensors], around: list[Tensors], stream: int) -> list[int]:
+    """A block's own tensors at a moment, as sizes: the moment's set less what every layer reads (its first
+    entries) and two residual-stream tensors (the embedding output and the block's input, held across blocks)."""
+    sizes = [int(t.nbytes) for t in moment[len(around):] for _ in range(t.count)]
+    for _ in range(2):
+        if stream in sizes:
+            sizes.remove(stream)
+    return sizes
+
+
+def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
+    """Each block's parameter groups and how many tensors of each it has (encoder blocks, then decoder blocks)."""
+    enc, dec = spec.num_layers, spec.num_decoder_layers
+    per: list[list[tuple[ParamGroup, int]]] = [[] for _ in range(enc + dec)]
+    for g in spec.params:
+        if "*" in g.module:
+            for b, n in spread(g.count, range(enc, enc + dec) if in_decoder(spec, g.module) else range(enc)).items():
+                per[b].append((g, n))
+    return per
+
+
+def _module_order(spec: ModelSpec, blocks: list[list[tuple[ParamGroup, int]]]) -> list[tuple[ParamGroup, int]]:
+    """The parameter tensors in module order, as (group, tensors): the embeddings, each block's, then the rest
+    (final norms, poolers) and the head last."""
+    outside = [g for g in spec.params if "*" not in g.module]
+    first = [(g, g.count) for g in outside if g.category == "embeddings"]
+    last = sorted(((g, g.count) for g in outside if g.category != "embeddings"), key=lambda x: x[0].category == "head")
+    return first + [x for groups in blocks for x in groups] + last
