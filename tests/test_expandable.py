@@ -95,18 +95,22 @@ def test_torch_accepts_the_setting():
 
 
 def test_serving_search_flags_exactly_the_plans_that_need_expandable_segments():
-    """Serving's search (search/evaluate.py _infer, a loop over micro batches) marks a plan expandable when, and
-    only when, its default-mode device used does not fit: with the usable memory between the two modes at
-    micro batch 4, the micro batch 4 plan is marked and the smaller ones are not. Serving plans keep the segment
-    arithmetic (docs/estimator.md, "Reserved: the serving replay"), so the estimates here are the arithmetic's."""
-    kw = dict(task="infer", seq_len=4096, simulate=False)
-    e = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=4, **kw)
+    """Serving's search (search/evaluate.py _infer, a loop over micro batches) filters with the segment arithmetic,
+    then replays the plans it shows (confirm): a plan is marked expandable when, and only when, its replayed
+    default-mode device used does not fit, held to the usable memory as the allocator is (it releases its cached
+    segments first). With the usable memory between the arithmetic's two modes at micro batch 4 the search alone
+    would mark it; the replay decides."""
+    kw = dict(task="infer", seq_len=4096)
+    e = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=4, simulate=False, **kw)
     default = e.by_allocator["default"]["device_used_bytes"]
     expandable = e.by_allocator["expandable_segments"]["device_used_bytes"]
+    assert expandable < default
     headroom = round(1 - (default + expandable) / 2 / e.capacity_bytes, 5)
-    s = memplan.suggest("llama-3.2-3b", "t4-16g", global_batch=8, headroom=headroom, top=50, task="infer", seq_len=4096)
-    usable = e.capacity_bytes * (1 - headroom)
-    assert any(p.expandable_segments for p in s.plans)
+    s = memplan.suggest("llama-3.2-3b", "t4-16g", global_batch=8, headroom=headroom, top=50, **kw)
+    assert 4 in {p.micro_batch for p in s.plans} and any(p.expandable_segments for p in s.plans)
     for p in s.plans:
-        plain = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=p.micro_batch, **kw)
-        assert p.expandable_segments == (plain.device_used_bytes > usable), p.micro_batch
+        w = p.workload
+        plain = memplan.estimate("llama-3.2-3b", "t4-16g", micro_batch=w.micro_batch, attn=w.attn,
+                                 precision=w.precision, headroom=headroom, expandable_segments=False, **kw)
+        assert p.estimate.reserved_from == "replay"
+        assert p.expandable_segments == (not plain.fits), p.micro_batch

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from memplan.estimator.breakdown import usable_bytes, with_host_limit
 from memplan.estimator.step import cell_peak, evaluate, peak, report
+from memplan.estimator.serving_timeline import serving_replayable
 from memplan.estimator.timeline import replayable
 from memplan.inputs import constraints
 from memplan.inputs.defaults import host_ram as default_host_ram
@@ -136,14 +137,14 @@ def _candidates(req: SearchRequest, sp: Space, ws: list[Workload], mbs: list[int
 
 
 def confirm(req: SearchRequest, c: Candidate) -> Candidate | None:
-    """A fitting candidate as its report has it: where the replay covers it (one GPU training a whole replica),
-    its meters from the replay of its allocations, which the search's segment arithmetic only bounds
+    """A fitting candidate as its report has it: where the replay covers it (one GPU training a whole replica, or
+    serving), its meters from the replay of its allocations, which the search's segment arithmetic only bounds
     (docs/estimator.md), and None when they do not fit. With the allocator left to memplan it runs the default
     allocator where that fits, else expandable segments."""
-    if c.cell is None or not replayable(c.w):
+    if not (serving_replayable(req.spec, c.w) if c.cell is None else replayable(c.w)):
         return c
-    usable, t, b, k = _usable(req), *c.cell
-    by_mode = cell_peak(req.spec, req.gpu, t, c.w, b, k, simulate=True).by_allocator
+    usable = _usable(req)
+    by_mode = _peak(req, c).by_allocator
     modes = (False, True) if req.expandable_segments is None else (c.base.expandable_segments,)
     for expandable in modes:
         used = by_mode["expandable_segments" if expandable else "default"]["device_used_bytes"]
@@ -171,6 +172,6 @@ def host_ram(req: SearchRequest, c: Candidate) -> int:
 
 def _peak(req: SearchRequest, c: Candidate):
     if c.cell is None:  # inference: one configuration
-        return peak(req.spec, req.gpu, c.w)
+        return peak(req.spec, req.gpu, c.w, simulate=True)
     t, b, k = c.cell
     return cell_peak(req.spec, req.gpu, t, c.w, b, k, simulate=True)
