@@ -1,5 +1,6 @@
-"""How long the estimator's replay of a step's allocations takes (estimator/timeline.py), against the same
-estimate without it, for 1B to 70B models: the cost `memplan estimate` and `verify` pay on every call.
+"""How long the estimator's replay of a step's allocations takes (estimator/timeline.py; serving:
+estimator/serving_timeline.py), against the same estimate without it, for 1B to 70B models: the cost `memplan
+estimate` and `verify` pay on every call.
 
     python benchmarks/replay_speed.py    # writes results/replay_speed.json
 
@@ -19,7 +20,13 @@ ROOT = Path(__file__).resolve().parent
 CASES = [("llama-3.2-1b", dict(micro_batch=2, seq_len=2048, precision="bf16")),
          ("llama-3.1-8b", dict(micro_batch=2, seq_len=2048, precision="bf16", attn="eager")),
          ("llama-3.1-70b", dict(micro_batch=1, seq_len=4096, precision="bf16-pure", grad_ckpt="full")),
-         (str(ROOT / "accuracy/configs/cohere2-small.json"), dict(micro_batch=2, seq_len=512, precision="bf16"))]
+         (str(ROOT / "accuracy/configs/cohere2-small.json"), dict(micro_batch=2, seq_len=512, precision="bf16")),
+         # serving (estimator/serving_timeline.py): generate's prefill and decode steps, the decode strided past
+         # 1,024 block passes
+         ("llama-3.2-1b", dict(task="infer", micro_batch=8, seq_len=1024, max_new_tokens=256, precision="bf16-pure")),
+         ("llama-3.1-8b", dict(task="infer", micro_batch=4, seq_len=2048, max_new_tokens=512, precision="int4")),
+         ("llama-3.1-70b", dict(task="infer", micro_batch=1, seq_len=4096, max_new_tokens=1024, precision="bf16-pure")),
+         ("bert-large", dict(task="infer", micro_batch=32, seq_len=512, precision="fp16"))]
 
 
 def median_s(call, repeats: int = 5, before=lambda: None) -> float:

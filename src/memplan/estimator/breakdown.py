@@ -73,8 +73,8 @@ class MemoryBreakdown(BaseModel):
     # =expandable_segments:True); the meters above are the workload's own mode's
     by_allocator: dict[str, dict[str, int]] = {}
     # how reserved (and device used) was predicted: "replay", the allocator simulation of the step's allocations
-    # in order (one GPU training a whole replica; then each mode also has `arithmetic_reserved_bytes`), or "segment
-    # arithmetic", the fast figure the search ranks with (docs/estimator.md, "Reserved and device used")
+    # in order (one GPU training a whole replica, or serving; then each mode also has `arithmetic_reserved_bytes`),
+    # or "segment arithmetic", the fast figure the search ranks with (docs/estimator.md, "Reserved and device used")
     reserved_from: str = "segment arithmetic"
 
 

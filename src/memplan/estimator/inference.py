@@ -27,9 +27,15 @@ def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = Non
     past_key_values.update(kv_nope, k_rot) as one-head keys and values), as serving engines do (vLLM's
     MLAAttentionSpec: num_kv_heads=1, head_size=kv_lora_rank + qk_rope_head_dim; DeepSeek-V3: 576 values against
     49,152 decompressed)."""
+    return sum(kv_widths(spec, kv_bytes, v_bytes))
+
+
+def kv_widths(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = None) -> tuple[int, int]:
+    """One layer's cached key and value bytes per token a sequence (kv_bytes_per_token)."""
     if spec.is_mla:  # the latent (after its RMSNorm) and k_rot (after RoPE): both in the residual stream's dtype
-        return (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_bytes
-    return spec.num_kv_heads * spec.head_dim * (kv_bytes + (kv_bytes if v_bytes is None else v_bytes))
+        return spec.kv_lora_rank * kv_bytes, spec.qk_rope_head_dim * kv_bytes
+    width = spec.num_kv_heads * spec.head_dim
+    return width * kv_bytes, width * (kv_bytes if v_bytes is None else v_bytes)
 
 
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
@@ -113,11 +119,16 @@ def _serving_casts(spec: ModelSpec) -> tuple[int, int, int]:
     return cache, cache_head, cache_mlp
 
 
+def serving_autocast(precision: str) -> bool:
+    """fp16 / bf16 serve fp32 weights under autocast (verify/infer.py weight_dtype); -pure and quantised are half."""
+    return precision in ("fp16", "bf16")
+
+
 def serving_widths(spec: ModelSpec, precision: str) -> tuple[int, int, int]:
     """(matmul outputs, the residual stream, the cached keys): bytes per element while serving at `precision`."""
     fmt = WEIGHT_FORMATS[precision]
     p = FP32 if fmt.compute == "fp32" else HALF
-    r = FP32 if fmt.compute == "fp32" or precision in ("fp16", "bf16") else HALF  # the fp32 weights' under autocast
+    r = FP32 if fmt.compute == "fp32" or serving_autocast(precision) else HALF  # the fp32 weights' under autocast
     # RoPE multiplies k by cos / sin in the residual stream's dtype (LlamaRotaryEmbedding: cos.to(x.dtype)), so
     # under autocast k is fp32 and is cached so; v, a projection's output, stays in the matmul dtype
     # (transformers 5.24 DynamicLayer.lazy_initialization: each cache in its own tensor's dtype; traced)
@@ -128,7 +139,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     """The largest of the moments of a serving step (docs/estimator.md, "Inference"): inside the prefill's last
     layer (the layers' autocast copies cast, the head's not yet), at the prefill's head, the last decode step."""
     fmt = WEIGHT_FORMATS[w.precision]
-    autocast = w.precision in ("fp16", "bf16")
+    autocast = serving_autocast(w.precision)
     p, r, kv_b = serving_widths(spec, w.precision)
     weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, spec, g)) + round_block(spec.buffer_bytes)
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
@@ -198,7 +209,7 @@ def _speed(spec: ModelSpec, gpu: GPUProfile, w: Workload, working: int, kv_bytes
 
 
 def _rounded_total(ts: list[Tensors]) -> int:
-    return sum(round_block(t.nbytes) * t.count for t in ts)
+    return sum(round_block(nbytes) * count for nbytes, count in _arithmetic_items(ts))
 
 
 def _arithmetic_items(ts: list[Tensors]) -> list[tuple[float, int]]:

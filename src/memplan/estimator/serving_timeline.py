@@ -5,28 +5,32 @@
   (model.parameters(): module registration order), at the bytes bitsandbytes stores where it converts them;
 - the prompts' token ids;
 - the prefill: the embedding output and what every layer reads (RoPE's tables, masks) before the blocks; in each
-  block its live tensors moment by moment (activations.inference_working_set's "rotary", "attention", "mlp": the
-  step from one moment's set to the next frees what the next does not hold and makes what it adds), its KV cache
-  made where RoPE has run, autocast's cached weight copies made as the block first reads them; then the head's
-  final norm, logits and generate's fp32 copy of them;
-- each decode step the same at one token a sequence, each layer's cache grown by torch.cat (the grown key and
-  value made, then the old ones freed: transformers 5.24 DynamicLayer.update, traced). Past DECODE_BLOCK_PASSES
+  block its live tensors moment by moment (activations.inference_working_set's, in MOMENTS' order: the step from
+  one moment's set to the next frees what the next does not hold and makes what it adds), its KV cache made where
+  RoPE has run (without RoPE after the attention moment), autocast's cached weight copies made as the block's
+  projections first read them; then the head's final norm, logits and generate's fp32 copy of them;
+- each decode step the same at one token a sequence, each layer's cache grown by torch.cat (transformers 5.24
+  DynamicLayer.update: the grown keys made and the old freed, then the values; a sliding layer makes both before
+  it frees either). Past DECODE_BLOCK_PASSES
   the decode steps are replayed in even strides that end at the last step (the cache grows by the stride at each
   replayed step).
 
 Limitations, stated: a moment's tensors are matched to the previous moment's by size (the traced order interleaves
-births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans);
-beam search's cache reordering is not run (verify does not run it either).
+births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans); the
+block's output is made beside the MLP's intermediates (the real sum follows the down projection, which runs beside
+their product only: the replay's peak allocated is up to 9 % over the estimate's, DeepSeek-V3-small bf16); beam
+search's cache reordering is not run (verify does not run it either).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from memplan.estimator.activations import Tensors, inference_working_set
 from memplan.estimator.families import family
 from memplan.estimator.finetune import in_decoder
-from memplan.estimator.inference import dequantised_copy, layer_windows, serving_widths, weight_bytes
+from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
+                                         serving_widths, weight_bytes)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
@@ -50,8 +54,10 @@ CAST_BEFORE = ("rotary", "scores", "attention", "mlp")
 ATTENTION_CASTS = ("attention",)
 
 
-class ServingKey(NamedTuple):
-    """Everything the serving replay reads (a frozen, hashable cache key)."""
+@dataclass(frozen=True)
+class ServingKey:
+    """Everything the serving replay reads (a frozen, hashable cache key; a dataclass, so never equal to a training
+    step's ReplayKey in timeline.replay's cache)."""
 
     spec: ModelSpec
     precision: str
@@ -95,7 +101,7 @@ class _Serve:
     def __init__(self, k: ServingKey, sim: Events) -> None:
         self.k, self.sim, self.spec = k, sim, k.spec
         self.fmt = WEIGHT_FORMATS[k.precision]
-        self.autocast = k.precision in ("fp16", "bf16")
+        self.autocast = serving_autocast(k.precision)
         self.p, self.r, self.kv_b = serving_widths(k.spec, k.precision)
         self.generate = k.new_tokens > 0
         self.blocks = _block_groups(k.spec)
@@ -109,7 +115,8 @@ class _Serve:
                 self.sim.alloc(g.numel * weight_bytes(self.fmt, self.spec, g))
         if self.spec.buffer_bytes:
             self.sim.alloc(self.spec.buffer_bytes)
-        self.sim.alloc(self.k.sequences * self.k.prompt * INT64)
+        if self.spec.arch != "vision":  # the prompts' token ids (an image model's pixels: ws["around"])
+            self.sim.alloc(self.k.sequences * self.k.prompt * INT64)
         self.forward(self.k.prompt, 0)
         self.casts_made = True
         for length in decode_lengths(self.k.prompt, self.k.new_tokens, len(self.blocks)):
@@ -152,6 +159,8 @@ class _Serve:
                 self.layer_casts(groups, attention=moment != "mlp")
                 cast[moment != "mlp"] = True
             local = self.reach(local, _own(ws[moment], ws["around"], stream))
+            # the cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one
+            # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments)
             if moment == "rotary" or (moment == "attention" and "rotary" not in ws):
                 self.kv(b, context)
         out = self.sim.alloc(stream)
@@ -173,9 +182,9 @@ class _Serve:
         return kept + [(n, self.sim.alloc(n)) for n in want]
 
     def kv(self, b: int, context: int) -> None:
-        """Block b's cache update: the prefill makes its key and value (StaticCache its whole length); a decode
-        step's torch.cat makes the grown pair, then frees the old (StaticCache writes in place, but a sliding
-        layer past its window rolls it through a cat)."""
+        """Block b's cache update (transformers 5.24 cache_utils.py): the prefill makes its key and value
+        (StaticCache its whole length); a decode step's torch.cat grows them (StaticCache writes in place, but a
+        full sliding layer rolls its window: torch.roll's copies of both, copied back)."""
         if b >= len(self.windows) or not self.generate:
             return
         window = self.windows[b]
@@ -188,22 +197,24 @@ class _Serve:
                 self.sim.free(list(self.kv_pair(window)))
             return
         tokens = self.k.prompt if not context else (context if window is None else min(context, window))
-        grown = self.kv_pair(tokens)
-        if context:
-            self.sim.free(list(self.cache[b]))
-            self.cache[b] = grown
-        else:
-            self.cache.append(grown)
+        key, value = kv_widths(self.spec, self.kv_b, self.p)
+        size = self.k.sequences * tokens
+        if not context:
+            self.cache.append((self.sim.alloc(key * size), self.sim.alloc(value * size)))
+        elif window is None:  # DynamicLayer.update: self.keys = torch.cat(...) frees the old keys, then the values
+            old = self.cache[b]
+            self.cache[b] = (self.sim.alloc(key * size), old[1])
+            self.sim.free([old[0]])
+            self.cache[b] = (self.cache[b][0], self.sim.alloc(value * size))
+            self.sim.free([old[1]])
+        else:  # DynamicSlidingWindowLayer: both cats, then both views assigned
+            old, self.cache[b] = self.cache[b], (self.sim.alloc(key * size), self.sim.alloc(value * size))
+            self.sim.free(list(old))
 
     def kv_pair(self, tokens: int) -> tuple[int, int]:
-        """A layer's key and value storages for `tokens` a sequence (inference.kv_bytes_per_token's widths; MLA: the
-        latent and the shared rotary key)."""
-        spec, seqs = self.spec, self.k.sequences
-        if spec.is_mla:
-            key, value = spec.kv_lora_rank * self.kv_b, spec.qk_rope_head_dim * self.kv_b
-        else:
-            key, value = spec.num_kv_heads * spec.head_dim * self.kv_b, spec.num_kv_heads * spec.head_dim * self.p
-        return self.sim.alloc(key * seqs * tokens), self.sim.alloc(value * seqs * tokens)
+        """A layer's key and value storages for `tokens` a sequence (inference.kv_widths)."""
+        key, value = kv_widths(self.spec, self.kv_b, self.p)
+        return self.sim.alloc(key * self.k.sequences * tokens), self.sim.alloc(value * self.k.sequences * tokens)
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
