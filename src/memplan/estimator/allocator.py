@@ -153,7 +153,8 @@ class CachingAllocator:
         block.allocated = True
         self._live[key] = block
         self.allocated += block.size  # block->size, not the request
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
 
     def free(self, key: int) -> None:
         self.events += 1
@@ -258,11 +259,12 @@ def simulate(events: Iterable[tuple[int, int]], expandable: bool = False,
     """Replay ``(key, nbytes)`` events: nbytes > 0 allocates (0 is ignored),
     nbytes < 0 (conventionally -1) frees the block allocated for ``key``."""
     alloc = CachingAllocator(expandable, capacity)
+    malloc, free = alloc.malloc, alloc.free  # bound once: the replay calls them ~10^4-10^5 times
     for key, nbytes in events:
         if nbytes < 0:
-            alloc.free(key)
+            free(key)
         else:
-            alloc.malloc(key, nbytes)
+            malloc(key, nbytes)
     return alloc.stats()
 
 
