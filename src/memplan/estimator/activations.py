@@ -1033,8 +1033,10 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         # multi-head latent attention decompresses the cached latent at every step (modeling_deepseek_v3.py):
         # the query at a * dq per new token; the key at a * dq and kv_b_proj's output (k_nope and v, which the
         # value is a view of) per attended token
+        # (kv_b_proj's output and the key built from it are two storages: traced, DeepSeek-V3-small)
         qkv_ts = [Tensors("q_b_proj output, the query built from it", qkv * a * d * T, 2),
-                  Tensors("k, kv_b_proj output", p * b * s_kv * a * (d + spec.qk_nope_head_dim + spec.value_head_dim))]
+                  Tensors("kv_b_proj output", p * b * s_kv * a * (spec.qk_nope_head_dim + spec.value_head_dim)),
+                  Tensors("k", p * b * s_kv * a * d)]
     elif attn == "eager":  # repeat_kv's copies of k and v at every query head
         qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", (qkv + p) * a * d * b * s_kv)]
     else:
