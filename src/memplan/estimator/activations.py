@@ -1038,7 +1038,9 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
                   Tensors("kv_b_proj output", p * b * s_kv * a * (spec.qk_nope_head_dim + spec.value_head_dim)),
                   Tensors("k", p * b * s_kv * a * d)]
     elif attn == "eager":  # repeat_kv's copies of k and v at every query head
-        qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k, v (at the query heads)", (qkv + p) * a * d * b * s_kv)]
+        # repeat_kv's k and v: two storages (a lump of both would cross the allocator's 1 MiB pool boundary alone)
+        qkv_ts = [Tensors("q", qkv * a * d * T), Tensors("k at the query heads", qkv * a * d * b * s_kv),
+                  Tensors("v at the query heads", p * a * d * b * s_kv)]
     else:
         qkv_ts = [Tensors("q, k, v", (qkv * (a + k) + p * k) * d * T)]
     if attn == "eager":
