@@ -11,9 +11,8 @@
   projections first read them; then the head's final norm, logits and generate's fp32 copy of them;
 - each decode step the same at one token a sequence, each layer's cache grown by torch.cat (transformers 5.24
   DynamicLayer.update: the grown keys made and the old freed, then the values; a sliding layer makes both before
-  it frees either). Past DECODE_BLOCK_PASSES
-  the decode steps are replayed in even strides that end at the last step (the cache grows by the stride at each
-  replayed step).
+  it frees either). Past DECODE_BLOCK_PASSES the decode steps are replayed in even strides that end at the last
+  step (the cache grows by the stride at each replayed step).
 
 Limitations, stated: a moment's tensors are matched to the previous moment's by size (the traced order interleaves
 births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans); the
@@ -38,10 +37,11 @@ from memplan.estimator.timeline import Events, spread
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
-# decode steps replayed one by one while steps x blocks stays within DECODE_BLOCK_PASSES (about 0.15 s of replay),
-# else in even strides, at least MIN_DECODE_STEPS of them. Strides under-state the fragmentation a long generation's
-# growing caches leave in the default allocator: GPT-2 fp32, 32 sequences, 512 + 512 tokens replays 6.8 GiB
-# reserved in 16 strides, 8.6 in 32, 9.0 in 64, 9.1 in 128, 10.1 GiB step by step (docs/estimator.md)
+# decode steps replayed one by one while steps x blocks stays within DECODE_BLOCK_PASSES (0.30-0.34 s a replay for
+# 1B-70B models: benchmarks/results/replay_speed.json), else in even strides, at least MIN_DECODE_STEPS of them.
+# Strides under-state the fragmentation a long generation's growing caches leave in the default allocator: GPT-2
+# fp32, 32 sequences, 512 + 512 tokens replayed 6.8 GiB reserved in 16 strides, 8.6 in 32, 9.0 in 64, 9.1 in 128,
+# 10.1 GiB step by step at 1336c10 (docs/estimator.md)
 DECODE_BLOCK_PASSES = 1024
 MIN_DECODE_STEPS = 16
 INT64 = 8  # token ids
