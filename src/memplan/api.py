@@ -80,7 +80,8 @@ def estimate(model: str | ModelSpec, gpu: str | GPUProfile, *, head: str | None 
     defaults (memplan.inputs.defaults), said in the result's `defaults`; cpu_mem: host RAM per node in
     bytes (default: the GPU profile's typical host), which what offload pins must fit. simulate: reserved and device
     used from the caching-allocator simulation of the step's allocations replayed in order, where it covers the
-    configuration (one GPU training a whole replica, or serving; `reserved_from` says which; 0.01-0.2 s, cached); False: the
+    configuration (one GPU training a whole replica, or serving; `reserved_from` says which; 0.01-0.35 s, cached;
+    benchmarks/results/replay_speed.json); False: the
     segment arithmetic suggest's search ranks with (3-12 ms; docs/estimator.md).
     """
     _check_keywords(work, Workload.model_fields, "estimate")

@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from memplan.estimator.breakdown import MemoryBreakdown
+from memplan.estimator.breakdown import MemoryBreakdown, allocator_mode
 from memplan.inputs.defaults import line
 from memplan.search.rank import sharding_label
 from memplan.search.plan import Suggestion
@@ -74,8 +74,7 @@ def print_estimate(e: MemoryBreakdown, console: Console | None = None) -> None:
     m.add_column("what reads it")
     m.add_row("peak allocated", gib(e.peak_allocated_bytes), "torch.cuda.max_memory_allocated()")
     m.add_row("peak reserved", gib(e.peak_reserved_bytes), f"torch.cuda.max_memory_reserved() ({e.reserved_from})")
-    mode = "expandable_segments" if e.workload.expandable_segments else "default"
-    arithmetic = (e.by_allocator.get(mode) or {}).get("arithmetic_reserved_bytes")
+    arithmetic = (e.by_allocator.get(allocator_mode(e.workload.expandable_segments)) or {}).get("arithmetic_reserved_bytes")
     if arithmetic:  # the replay is the meter; the search ranked with this (docs/estimator.md)
         m.add_row("  segment arithmetic", gib(arithmetic), "the same, the search's fast figure")
     m.add_row("device used", gib(e.device_used_bytes), "NVML / nvidia-smi")

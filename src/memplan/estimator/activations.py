@@ -852,8 +852,9 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
                           full_logits: bool, context: int = 0, dequant: int = 0) -> dict[str, list[Tensors]]:
     """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
-    "head"; and "around", the layers' shared part of theirs) over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`,
-    transformers 5.23 modeling_llama.py). p: the matmul outputs' width, r: the residual stream's (fp32 under
+    "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`, transformers
+    5.23 modeling_llama.py); and for the serving replay (serving_timeline.py) the smaller moments it walks through
+    ("norm", "mlp norm", "scores") and "around", the layers' shared part of every layer moment. p: the matmul outputs' width, r: the residual stream's (fp32 under
     autocast); context: the keys each query attends to (a decode step's cache length; 0: the s tokens).
     - a layer's MLP: the residual stream held four times (the embedding output, which the model's forward
       keeps in `inputs_embeds`; the layer's input, held by the layer loop until the layer returns; the

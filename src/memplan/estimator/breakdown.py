@@ -98,6 +98,11 @@ class Peak(NamedTuple):
     reserved_from: str = "segment arithmetic"  # or "replay": how reserved was predicted (MemoryBreakdown)
 
 
+def allocator_mode(expandable: bool) -> str:
+    """The key of an allocator mode in `by_allocator` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or not)."""
+    return "expandable_segments" if expandable else "default"
+
+
 def usable_bytes(gpu: GPUProfile, headroom: float) -> int:
     """The GPU's memory less the headroom the workload keeps free: what device used must fit."""
     return int(gpu.memory_bytes * (1 - headroom))

@@ -151,13 +151,14 @@ class _Serve:
         layer reads (ws["around"]) and the two residual-stream tensors held across blocks (the embedding output
         and the block's input)."""
         local: list[tuple[int, int]] = []  # (bytes, key) of the block's live tensors
-        cast = {True: False, False: False}  # the attention's casts made, the rest's made
+        cast: set[bool] = set()  # whose casts are made: the attention's (True), the rest's (False)
         for moment in MOMENTS:
             if moment not in ws:
                 continue
-            if moment in CAST_BEFORE and not cast[moment != "mlp"]:  # as the projections first read them
-                self.layer_casts(groups, attention=moment != "mlp")
-                cast[moment != "mlp"] = True
+            attention = moment != "mlp"
+            if moment in CAST_BEFORE and attention not in cast:  # as the projections first read them
+                self.layer_casts(groups, attention)
+                cast.add(attention)
             local = self.reach(local, _own(ws[moment], ws["around"], stream))
             # the cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one
             # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments)
@@ -197,24 +198,27 @@ class _Serve:
                 self.sim.free(list(self.kv_pair(window)))
             return
         tokens = self.k.prompt if not context else (context if window is None else min(context, window))
-        key, value = kv_widths(self.spec, self.kv_b, self.p)
-        size = self.k.sequences * tokens
         if not context:
-            self.cache.append((self.sim.alloc(key * size), self.sim.alloc(value * size)))
+            self.cache.append(self.kv_pair(tokens))
         elif window is None:  # DynamicLayer.update: self.keys = torch.cat(...) frees the old keys, then the values
-            old = self.cache[b]
-            self.cache[b] = (self.sim.alloc(key * size), old[1])
-            self.sim.free([old[0]])
-            self.cache[b] = (self.cache[b][0], self.sim.alloc(value * size))
-            self.sim.free([old[1]])
+            (old_k, old_v), (key, value) = self.cache[b], self.kv_bytes(tokens)
+            new_k = self.sim.alloc(key)
+            self.sim.free([old_k])
+            self.cache[b] = (new_k, self.sim.alloc(value))
+            self.sim.free([old_v])
         else:  # DynamicSlidingWindowLayer: both cats, then both views assigned
-            old, self.cache[b] = self.cache[b], (self.sim.alloc(key * size), self.sim.alloc(value * size))
+            old, self.cache[b] = self.cache[b], self.kv_pair(tokens)
             self.sim.free(list(old))
 
-    def kv_pair(self, tokens: int) -> tuple[int, int]:
-        """A layer's key and value storages for `tokens` a sequence (inference.kv_widths)."""
+    def kv_bytes(self, tokens: int) -> tuple[int, int]:
+        """A layer's key and value bytes for `tokens` a sequence (inference.kv_widths)."""
         key, value = kv_widths(self.spec, self.kv_b, self.p)
-        return self.sim.alloc(key * self.k.sequences * tokens), self.sim.alloc(value * self.k.sequences * tokens)
+        return key * self.k.sequences * tokens, value * self.k.sequences * tokens
+
+    def kv_pair(self, tokens: int) -> tuple[int, int]:
+        """A layer's key and value storages for `tokens` a sequence."""
+        key, value = self.kv_bytes(tokens)
+        return self.sim.alloc(key), self.sim.alloc(value)
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]

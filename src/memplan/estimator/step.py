@@ -25,7 +25,7 @@ import numpy as np
 from memplan.estimator import activation_arrays as A, traced
 from memplan.estimator.activations import shard
 from memplan.estimator.allocation import round_block, segments
-from memplan.estimator.breakdown import MemoryBreakdown, Peak, report, usable_bytes
+from memplan.estimator.breakdown import MemoryBreakdown, Peak, allocator_mode, report, usable_bytes
 from memplan.estimator.finetune import Tuning, unquantised_note
 from memplan.estimator.inference import inference_peak
 from memplan.estimator.meters import Meters, gpu_workspace, meters
@@ -372,7 +372,7 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
     replayed = simulate and replayable(w)
     if replayed:
         by_mode = _with_replay(by_mode, ReplayKey.of(spec, w), gpu, w, allocated)
-    modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
+    modes = by_mode[allocator_mode(w.expandable_segments)]
     reserved = modes["peak_reserved_bytes"]
     parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
@@ -393,7 +393,7 @@ def _serving_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload, simulate: bool)
     if not (simulate and serving_replayable(spec, w)):
         return p
     by_mode = _with_replay(p.by_allocator, ServingKey.of(spec, w), gpu, w, p.allocated)
-    modes = by_mode["expandable_segments" if w.expandable_segments else "default"]
+    modes = by_mode[allocator_mode(w.expandable_segments)]
     reserved = modes["peak_reserved_bytes"]
     return p._replace(parts=p.parts | {"allocator_overhead": reserved - p.allocated}, reserved=reserved,
                       device_used=modes["device_used_bytes"], notes=p.notes + _held_note(modes), by_allocator=by_mode,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.estimator.breakdown import usable_bytes, with_host_limit
+from memplan.estimator.breakdown import allocator_mode, usable_bytes, with_host_limit
 from memplan.estimator.step import cell_peak, evaluate, peak, report
 from memplan.estimator.serving_timeline import serving_replayable
 from memplan.estimator.timeline import replayable
@@ -147,7 +147,7 @@ def confirm(req: SearchRequest, c: Candidate) -> Candidate | None:
     by_mode = _peak(req, c).by_allocator
     modes = (False, True) if req.expandable_segments is None else (c.base.expandable_segments,)
     for expandable in modes:
-        used = by_mode["expandable_segments" if expandable else "default"]["device_used_bytes"]
+        used = by_mode[allocator_mode(expandable)]["device_used_bytes"]
         if used <= usable:
             return c._replace(base=c.base.model_copy(update={"expandable_segments": expandable}),
                               device_used=used, headroom=usable - used)

@@ -40,7 +40,8 @@ from memplan.search.space import (
 # how many candidates the segment arithmetic rejects the search replays to see whether they fit (promote)
 PROMOTED = 3
 # how many ranked candidates the replay may reject before the search stops replaying (confirm_ranked): each costs
-# a replay (0.05-0.2 s), and the arithmetic is over the replay in all but 6 of the accuracy suite's 152 cases
+# a replay (0.03-0.14 s: benchmarks/results/replay_speed.json), and the arithmetic is over the replay in all but 19
+# of the accuracy suite's 152 training cases (benchmarks/accuracy/results/accuracy.json at 382cb54)
 CONFIRM_DROPS = 8
 # what the user keeps closed, and the option that would open it (said when nothing fits)
 CLOSED_KNOBS = (("--grad-ckpt full", lambda sp, train: "full" in sp.ckpts),
@@ -133,8 +134,8 @@ def confirm_ranked(req: SearchRequest, found: list[Candidate], top: int) -> list
 def promote(req: SearchRequest, found: list[Candidate], near: tuple) -> list[Candidate]:
     """The ranked plans with those the segment arithmetic rejected that fit by their replay: of the candidates it
     puts just over the GPU (evaluate.ARITHMETIC_SLACK), the PROMOTED fastest that would rank above the best plan
-    are replayed (evaluate.confirm). bert-large fp16 on a V100 16 GB: micro batch 16, 15.95 GiB device used by
-    the arithmetic, replays to 14.95 of 14.99 usable, and trains 11 % faster than micro batch 8."""
+    are replayed (evaluate.confirm). `memplan suggest --model bert-large --gpu v100-16g`: micro batch 16, 15.95 GiB
+    device used by the arithmetic, replays to 14.95 of 14.99 usable, and trains 11 % faster than micro batch 8."""
     key = functools.partial(rank_key, objective=req.objective)
     # only the replay can say a candidate fits that the arithmetic puts over (not under ZeRO, several GPUs, ...)
     ahead = _ranked(req, [c for c in near if replayable(c.w) and (not found or key(c) < key(found[0]))])
@@ -287,8 +288,8 @@ def method_alternatives(req: SearchRequest, sp: Space, found: list[Candidate]) -
         n += m
         if not cands or (best is not None and max(c.mb for c in cands) <= best.mb):
             continue
-        c = confirm(req, max(cands, key=lambda c: (c.mb, c.samples_per_s)))
-        if c is None or (best is not None and c.mb <= best.mb):
+        c = confirm(req, max(cands, key=lambda c: (c.mb, c.samples_per_s)))  # the replay keeps its micro batch
+        if c is None:
             continue
         what = f"LoRA r{req.lora_r}" + (" on every linear layer" if targets else "") + (
             " on 4-bit weights (QLoRA)" if method == "qlora" else "")

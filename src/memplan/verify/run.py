@@ -23,7 +23,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from memplan.errors import UserError
-from memplan.estimator.breakdown import MemoryBreakdown
+from memplan.estimator.breakdown import MemoryBreakdown, allocator_mode
 from memplan.estimator.rules import PRECISIONS
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
@@ -391,7 +391,7 @@ def _traced_meters(est: MemoryBreakdown, s, w: Workload, ws: int, cuda_context: 
     estimate's reserved is the replay, the segment arithmetic's figures are rows too."""
     predicted_tensors = est.peak_allocated_bytes - ws  # the tracer sees tensors, not the cuBLAS workspace
     simulated = {"default": s.peak_reserved, "expandable_segments": s.peak_reserved_expandable}
-    own, other = ("expandable_segments", "default") if w.expandable_segments else ("default", "expandable_segments")
+    own, other = allocator_mode(w.expandable_segments), allocator_mode(not w.expandable_segments)
     reserved = simulated[own] + ws
     # the traced step's simulation has room: against it, the estimate's high-water mark where the estimate held
     # the replay to the usable memory (estimator/step.py _with_replay)
