@@ -64,7 +64,20 @@ WIDE = [
     dict(model="bert-large", seq_len=512, micro_batch=1, precision="bf16", attn="sdpa"),
     dict(model="opt-1.3b", seq_len=1024, micro_batch=4, precision="fp32", attn="eager", optim="sgd"),
 ]
-GRIDS = {"issue": GRID, "wide": WIDE}
+# serving (verify --task infer: prefill, then greedy decode), the replay's evidence on a GPU: SDPA and eager,
+# dynamic and static caches, GQA and MHA, learned positions (GPT-2), beams, one scoring forward, fp16-pure, a 7B model
+SERVE = [
+    dict(model="llama-3.2-1b", task="infer", seq_len=1024, micro_batch=8, max_new_tokens=256, attn="sdpa"),
+    dict(model="llama-3.2-1b", task="infer", seq_len=1024, micro_batch=4, max_new_tokens=128, attn="eager"),
+    dict(model="qwen2.5-0.5b", task="infer", seq_len=2048, micro_batch=16, max_new_tokens=128, attn="sdpa",
+         kv_cache="static"),
+    dict(model="gpt2", task="infer", seq_len=512, micro_batch=32, max_new_tokens=256, attn="sdpa",
+         precision="fp16-pure"),
+    dict(model="mistral-7b", task="infer", seq_len=2048, micro_batch=8, max_new_tokens=64, attn="sdpa"),
+    dict(model="qwen3-0.6b", task="infer", seq_len=1024, micro_batch=4, beams=4, max_new_tokens=64, attn="sdpa"),
+    dict(model="llama-3.2-1b", task="infer", seq_len=2048, micro_batch=16, attn="sdpa"),
+]
+GRIDS = {"issue": GRID, "wide": WIDE, "serve": SERVE}
 STEPS = 6  # the first creates the optimizer state; verify's step time is the median of the steps after it
 MODES = (False, True)  # expandable segments off, on
 RUN_TIMEOUT_S = 300  # one verify run, model build included
@@ -262,14 +275,16 @@ def main() -> int:
                     help="with --summary: each configuration's step time as this tree predicts it, beside the runs")
     ap.add_argument("--reserved-now", action="store_true",
                     help="with --summary: each run's peak reserved as this tree predicts it, beside the run's")
-    ap.add_argument("--grid", choices=list(GRIDS), default="issue", help="issue: the issue's grid; wide: beyond it")
+    ap.add_argument("--grid", choices=list(GRIDS), default="issue",
+                    help="issue: the issue's grid; wide: beyond it; serve: serving steps")
+    ap.add_argument("--first", type=int, default=0, help="start at this case of the grid (a lease that ran its head)")
     args = ap.parse_args()
     if args.summary:
         print(predicted_now(args.summary) if args.predicted_now else reserved_table(reserved_now(args.summary))
               if args.reserved_now else summary(args.summary))
         return 0
     if args.dry_run:
-        dry_run(GRIDS[args.grid])
+        dry_run(GRIDS[args.grid][args.first:])
         return 0
     import torch
 
@@ -283,7 +298,7 @@ def main() -> int:
     cmd = ("python benchmarks/gpu_grid.py " + " ".join(sys.argv[1:])).strip()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for case in GRIDS[args.grid]:
+    for case in GRIDS[args.grid][args.first:]:
         longest = max((r["seconds"] for r in results), default=0.0)
         if time.perf_counter() - t0 + len(MODES) * longest > args.max_seconds:
             break

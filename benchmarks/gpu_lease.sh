@@ -4,6 +4,8 @@
 #   run: bash benchmarks/gpu_lease.sh wide   carry: .whl        timeout_s: 385   (gpu_grid.py's wide grid only)
 #   run: bash benchmarks/gpu_lease.sh profile  carry: .whl      timeout_s: 240   (gpu_profile.py on the steps the
 #        first lease found under-predicted: T5, GPT-2, bert-large bf16, with Llama-3.2-1B as the GPU-bound baseline)
+#   run: bash benchmarks/gpu_lease.sh serve  carry: .whl        timeout_s: 590   (the second lease's one call: the
+#        serving grid, the profiles of T5, GPT-2 and bert-large, then the wide grid's last 3 cases; 8 files)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -20,6 +22,21 @@ fi
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = wide ]; then
   exec timeout 370 python3 benchmarks/gpu_grid.py --grid wide --max-seconds 330 --out "$OUT/gpu_grid_wide"
+fi
+profile() {  # model seq_len micro_batch precision
+  timeout 50 python3 benchmarks/gpu_profile.py --model "$1" --seq-len "$2" --micro-batch "$3" --precision "$4" \
+    --attn sdpa --out "$OUT/profile_$1.json"
+}
+if [ "${1:-}" = serve ]; then
+  { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
+transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+  echo "== serving grid"
+  timeout 270 python3 benchmarks/gpu_grid.py --grid serve --max-seconds 230 --out "$OUT/serve_grid"
+  echo "== profiles"
+  profile t5-base 512 8 bf16; profile gpt2 1024 8 fp16; profile bert-large 512 8 bf16
+  echo "== the wide grid's last 3"
+  timeout 110 python3 benchmarks/gpu_grid.py --grid wide --first 9 --max-seconds 80 --out "$OUT/gpu_grid_wide_tail"
+  exit 0
 fi
 if [ "${1:-}" = profile ]; then
   for c in "t5-base 512 8 bf16" "gpt2 1024 8 fp16" "bert-large 512 8 bf16" "llama-3.2-1b 1024 4 bf16"; do

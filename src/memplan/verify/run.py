@@ -62,8 +62,9 @@ class VerifyReport(BaseModel):
     peak_op: str
     phases: dict[str, int]
     sdpa_kernels: dict[str, int]
-    step_time_s: float | None
+    step_time_s: float | None  # training: the median step after the first; serving: the generate call
     tokens_per_s: float | None
+    forward_times_s: list[float] = []  # serving: each forward's wall time, the prefill first
     run_seconds: float
     verdict: str  # of peak allocated, the meter every device measures directly
     estimate: MemoryBreakdown
@@ -350,8 +351,8 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
     notes: list[str] = []
     ws = est.breakdown.get("workspace", 0)
     tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)  # a training step's
-    if w.task == "infer":  # a decode forward's new tokens, or the scoring forward's
-        tokens = w.micro_batch * w.beams * (1 if w.max_new_tokens else w.seq_len)
+    if w.task == "infer":  # the generate call's new tokens, or the scoring forward's
+        tokens = w.micro_batch * w.beams * (w.max_new_tokens or w.seq_len)
     if device == "cuda":
         meters = [check("peak_allocated", est.peak_allocated_bytes, run["allocated"], "measured"),
                   check("peak_reserved", est.peak_reserved_bytes, run["reserved"], "measured"),
@@ -376,11 +377,13 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
         if device == "cpu" and kernels.get("flash", 0) + kernels.get("efficient", 0):
             notes.append("cpu: fused CPU attention kernel stands in for CUDA's (same saved tensors; "
                          "attention dropout is not applied on the CPU)")
-    step = sorted(times)[len(times) // 2] if times else None
+    # serving's step is the estimate's: one generate call (its forwards' sum); training's the median step
+    step = (sum(times) if w.task == "infer" else sorted(times)[len(times) // 2]) if times else None
     return VerifyReport(
         device=device, device_note=device_note, model=est.model.name, gpu=est.gpu, workload=w, steps=steps,
         meters=meters, breakdown=breakdown, peak_phase=peak_phase, peak_op=peak_op, phases=phases,
         sdpa_kernels=kernels, step_time_s=round(step, 4) if step else None,
+        forward_times_s=[round(t, 5) for t in times] if w.task == "infer" else [],
         tokens_per_s=round(tokens / step, 1) if step else None, run_seconds=round(run.get("seconds", sum(times)), 2),
         verdict=meters[0].verdict, estimate=est, notes=notes)
 
