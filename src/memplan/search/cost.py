@@ -273,13 +273,13 @@ def _quant_gemm_seconds(g: ops.Gemm, tokens: np.ndarray, q: QuantKernels, flops_
                                 (q.kernels + np.where(fused, 0, 1)) * launch_s)
 
 
-def _layer_gemm_seconds(o: ops.StepOps, gpu: GPUProfile, tokens: np.ndarray, flops_s: float, bytes_s: float,
+def _layer_gemm_seconds(o: ops.StepOps, launch_s: float, tokens: np.ndarray, flops_s: float, bytes_s: float,
                         width: int, fwd: float, weights: str | None) -> np.ndarray:
     """Every layer GEMM's roofline; a serving forward of bitsandbytes weights (weights: int4 / int8) prices the
     linears transformers converts by their kernels (SERVING_KERNELS)."""
-    gen, q = generation(gpu), SERVING_KERNELS.get(weights or "")
-    return sum(_quant_gemm_seconds(g, tokens, q, flops_s, bytes_s, gen.launch_s) if q and g.quantisable
-               else _gemm_seconds(g, tokens, flops_s, bytes_s, width, gen.launch_s) * fwd for g in o.layer_gemms)
+    q = SERVING_KERNELS.get(weights or "")
+    return sum(_quant_gemm_seconds(g, tokens, q, flops_s, bytes_s, launch_s) if q and g.quantisable
+               else _gemm_seconds(g, tokens, flops_s, bytes_s, width, launch_s) * fwd for g in o.layer_gemms)
 
 
 def _cast_launches(o: ops.StepOps, prec, forward_only: bool, casts: bool) -> float:
@@ -299,7 +299,8 @@ def _casts_weights(prec, casts: bool) -> bool:
 
 def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.ndarray, seq: float,
                   pp: int = 1, forward_only: bool = False, casts: bool = True,
-                  head_tokens: np.ndarray | None = None, weights: str | None = None) -> np.ndarray:
+                  head_tokens: np.ndarray | None = None, weights: str | None = None,
+                  launch_s: float | None = None) -> np.ndarray:
     """Seconds of one micro batch of `tokens` (an array) on the last pipeline stage (its 1/pp of the layers and
     the head): every GEMM's roofline, the attention core, the memory-bound kernels' bytes at the achievable
     bandwidth, per-micro-batch weight traffic. Each class of kernels (every GEMM, the attention core, the
@@ -307,14 +308,17 @@ def micro_seconds(o: ops.StepOps, gpu: GPUProfile, precision: str, tokens: np.nd
     forward_only: one forward (serving), the inventory's forward share. casts: autocast casts the weights (not
     in a decode step: its cache, alive for the whole generate call, already holds them). head_tokens: the tokens
     the head runs on, when not every one (generate's prefill keeps the last position's logits only). weights: the
-    serving weight format (int4 / int8: bitsandbytes' kernels price the converted linears)."""
+    serving weight format (int4 / int8: bitsandbytes' kernels price the converted linears). launch_s: the host
+    time per kernel, when not the generation's (a decode step's: SERVING_LAUNCH_S)."""
     gen, prec = generation(gpu), PRECISIONS[precision]
+    if launch_s is not None:
+        gen = gen._replace(launch_s=launch_s)
     peak = peak_tflops(gpu, precision) * 1e12
     flops_s = peak * (gen.matmul if prec.half is not None else gen.matmul_fp32)
     bytes_s = achievable_bandwidth(gpu)
     fwd = (1 / 3) if forward_only else 1.0  # the forward is 1 of a GEMM's 3 passes
     share = ops.FORWARD_SHARE if forward_only else 1.0
-    gemms = _layer_gemm_seconds(o, gpu, tokens, flops_s, bytes_s, prec.act, fwd, weights)
+    gemms = _layer_gemm_seconds(o, gen.launch_s, tokens, flops_s, bytes_s, prec.act, fwd, weights)
     core_flops = o.attn_flops * tokens * seq * fwd
     core = core_flops / (peak * gen.attention) if o.fused_attn else core_flops / flops_s
     core = core + o.score_moves * seq * prec.residual * tokens * share / bytes_s
@@ -515,6 +519,53 @@ def peak_tflops(gpu: GPUProfile, precision: str) -> float:
     return gpu.tflops.get(COMPUTE_DTYPE[precision]) or gpu.tflops.get("fp32", 1.0)
 
 
+# A serving forward's host time per kernel it launches (no autograd, transformers' Python modules and torch's
+# dispatch around each kernel). A decode step of a small model is nothing but this: measured on the H200 lease of
+# 2026-11-27 (benchmarks/results/gpu_lease2/, torch 2.11, transformers 5.24), decode steps without cuDNN attention
+# took 9.5-33 ms where this model's kernels at the training launch floor (Generation.launch_s, fitted on large
+# published training runs) gave 2-3 ms. The value is the median over those steps of the measured step / the
+# forward's modelled kernels; `python benchmarks/serving_speed.py --fit` recomputes it.
+SERVING_LAUNCH_S = 3.3e-05
+# PyTorch picks cuDNN's attention first for SDPA on compute capability 9.x / 10.x with cuDNN newer than 9.15
+# (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention; TORCH_CUDNN_SDPA_DEPRIORITIZED=1
+# turns it off), and cuDNN builds an execution graph for each new key length (pytorch/pytorch PR 155958, which adds
+# an opt-in to avoid it). A DynamicCache grows the keys by one every decode step, so every full-attention layer
+# pays that host time every step: 2.9 ms a layer for Llama-3.2-1B, 5.5 ms for GPT-2 on the H200
+# (benchmarks/results/gpu_lease2/decode.json: 94.3 / 81.4 ms a step against 15.2 / 14.2 ms with cuDNN off). The
+# value is the median over the lease's SDPA decode steps (`python benchmarks/serving_speed.py --fit`).
+CUDNN_GRAPH_S = 2.5e-03
+CUDNN_FIRST_MAJORS = (9, 10)
+
+
+def cudnn_rebuilds(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> int:
+    """cuDNN graph builds in one generate call's decode steps: each step, each layer whose key length grew. A
+    sliding layer's keys stop growing once the window is full; a static cache's never change length."""
+    steps = max(w.max_new_tokens - 1, 0)
+    if w.attn != "sdpa" or w.kv_cache != "dynamic" or gpu.compute_capability[0] not in CUDNN_FIRST_MAJORS:
+        return 0
+    kinds = spec.attention_kinds
+    sliding = sum(k == "sliding_attention" for k in kinds)
+    growing = max(0, min(steps, (spec.sliding_window or 0) - w.seq_len))  # steps before a window fills
+    return (len(kinds) - sliding) * steps + sliding * growing
+
+
+def _serving_compute(w: Workload) -> str:
+    return w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
+
+
+def decode_step_seconds(spec: ModelSpec, gpu: GPUProfile, w: Workload, launch_s: float | None = None) -> float:
+    """One decode forward of a generate call (one token per sequence) at the call's mean context, its host time
+    per kernel at least SERVING_LAUNCH_S (launch_s: another, for the fit); without the cache's traffic and cuDNN's
+    graph builds, which inference_throughput adds per call."""
+    seq, steps = w.seq_len, max(w.max_new_tokens - 1, 1)
+    compute = _serving_compute(w)
+    o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
+    context = seq + (steps + 1) / 2  # decode step k attends to seq + k keys
+    host = max(generation(gpu).launch_s, SERVING_LAUNCH_S) if launch_s is None else launch_s
+    return float(micro_seconds(o, gpu, compute, np.array([float(w.micro_batch * w.beams)]), context,
+                               forward_only=True, casts=False, weights=w.precision, launch_s=host)[0])
+
+
 def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_bytes: float,
                          decode_kv_bytes: float = 0.0) -> Throughput:
     """One scoring forward of the micro batch, or one greedy generate call as verify/infer.py runs it: the prompt's
@@ -528,7 +579,7 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
     (generate)."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
     seqs, new = w.micro_batch * w.beams, w.max_new_tokens
-    compute = w.precision if w.precision in PRECISIONS else "fp16-pure"  # int8 / int4 weights run half GEMMs
+    compute = _serving_compute(w)
     o = ops.step_ops(ops.OpsKey.of(spec, w.model_copy(update={"precision": compute})))
     bw = achievable_bandwidth(gpu)
     head = np.array([float(seqs)]) if new else None
@@ -536,10 +587,8 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
                             head_tokens=head, weights=w.precision)[0]) + working_bytes / bw
     steps = max(new - 1, 0)
     if steps:
-        context = seq + (steps + 1) / 2  # decode step k attends to seq + k keys
-        step = micro_seconds(o, gpu, compute, np.array([float(seqs)]), context, forward_only=True, casts=False,
-                             weights=w.precision)
-        t += steps * float(step[0]) + decode_kv_bytes / bw
+        t += steps * decode_step_seconds(spec, gpu, w) + decode_kv_bytes / bw \
+            + cudnn_rebuilds(spec, gpu, w) * CUDNN_GRAPH_S
     fwd = 2 * active_params(spec) * seqs * (seq + steps)
     peak = peak_tflops(gpu, w.precision)
     tokens = w.micro_batch * (new if new else seq)
