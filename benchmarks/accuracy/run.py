@@ -61,8 +61,10 @@ def label(case: dict) -> str:
                                                         f" r={case.get('lora_r', 8)} {','.join(case.get('lora_targets', ['default']))}"
                                                         f" {case.get('quant', '') if method == 'qlora' else ''}".rstrip()))
     if case.get("task") == "infer":  # serving: no optimizer or checkpointing to name
+        extra = (f" beams={case['beams']}" if case.get("beams", 1) > 1 else "") + (
+            " static" if case.get("kv_cache") == "static" else "")
         return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
-                f"infer new={case.get('max_new_tokens', 0)}")
+                f"infer new={case.get('max_new_tokens', 0)}{extra}")
     return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
             f"{case['optim']} ckpt={case['grad_ckpt']}{tuning}")
 

@@ -159,18 +159,23 @@ class _Serve:
             if moment in CAST_BEFORE and attention not in cast:  # as the projections first read them
                 self.layer_casts(groups, attention)
                 cast.add(attention)
-            local = self.reach(local, _own(ws[moment], ws["around"], stream))
             # the cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one
-            # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments)
-            if moment == "rotary" or (moment == "attention" and "rotary" not in ws):
+            # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments).
+            # A StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's
+            # transients are freed and before the attention's outputs: between the two moments
+            lazy = self.k.static and not context and moment == "attention" and "rotary" in ws
+            local = self.reach(local, _own(ws[moment], ws["around"], stream),
+                               (lambda: self.kv(b, context)) if lazy else None)
+            if (moment == "rotary" and not (self.k.static and not context)) or (
+                    moment == "attention" and "rotary" not in ws):
                 self.kv(b, context)
         out = self.sim.alloc(stream)
         self.sim.free([key for _, key in local])
         return out
 
-    def reach(self, live: list[tuple[int, int]], target: list[int]) -> list[tuple[int, int]]:
-        """From the live tensors to the moment's: those of a size it holds stay, the others are freed, then the
-        missing ones are made, in the moment's list order."""
+    def reach(self, live: list[tuple[int, int]], target: list[int], between=None) -> list[tuple[int, int]]:
+        """From the live tensors to the moment's: those of a size it holds stay, the others are freed, then
+        (after `between`, when given) the missing ones are made, in the moment's list order."""
         want = list(target)
         kept, gone = [], []
         for nbytes, key in live:
@@ -180,6 +185,8 @@ class _Serve:
             else:
                 gone.append(key)
         self.sim.free(gone)
+        if between is not None:
+            between()
         return kept + [(n, self.sim.alloc(n)) for n in want]
 
     def kv(self, b: int, context: int) -> None:

@@ -421,8 +421,10 @@ def is_moe_config(config: dict[str, Any] | Any) -> bool:
 
 
 def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdpa", trust_remote_code: bool = False,
-                half_weights: bool = False):
-    """The transformers model of `head` for this config, with random weights in the current device / mode.
+                half_weights: bool = False, dtype=None):
+    """The transformers model of `head` for this config, with random weights in the current device / mode; dtype:
+    the parameters' dtype from the start (from_config's, as from_pretrained's: float buffers such as RoPE's
+    inv_freq stay fp32), None: transformers' default (fp32).
 
     attn: transformers' attn_implementation ("eager", "sdpa", or "memplan": memplan.kernels' tiled
     attention; memplan's flash runs as sdpa with the flash kernel forced, which keeps the same tensors as
@@ -437,7 +439,7 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
         from memplan.kernels import register
 
         register()
-    extra = {}
+    extra = {} if dtype is None else {"dtype": dtype}
     if is_moe_config(cfg) and not half_weights:
         # transformers' default MoE path (torch._grouped_mm) takes bf16 weights only; fp32 weights
         # (fp32 and autocast training) run the per-expert loop

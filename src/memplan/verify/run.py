@@ -204,8 +204,13 @@ def build(config, head: str | None, attn: str, device: str, dtype):
     from memplan.verify import methods
 
     torch.manual_seed(0)
+    # On the GPU the weights are made in their dtype, as from_pretrained loads them: built in fp32 and cast, they
+    # leave the fp32 copies' holes in the caching allocator's segments, which the measured step then fills. The
+    # H200 lease measured it (benchmarks/results/gpu_lease2/hist_*.pkl.gz, docs/verify.md): Llama-3.2-1B eager
+    # serving reserved 4,660 MiB over 2,868 MiB of segments at the start, for 2,389 MiB of weights.
+    direct = {"dtype": dtype} if device == "cuda" else {}
     with torch.device(device):
-        model, head = build_model(config, head, attn, half_weights=dtype != torch.float32)
+        model, head = build_model(config, head, attn, half_weights=dtype != torch.float32, **direct)
     if device == "meta":
         methods.materialize_meta(model, dtype)
     elif next(model.parameters()).dtype != dtype:
