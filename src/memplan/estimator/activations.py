@@ -393,20 +393,22 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     out = _linear_inputs(1, h, T, prec, "router input")
     out.append(Tensors("router softmax", FP32 * E * T, rep=True))
     n_in = family(spec.model_type).gated_up_linears if spec.mlp == "gated" else 1
-    out += _linear_inputs(n_in, h, routed, prec, "expert inputs")
+    experts = _linear_inputs(n_in, h, routed, prec, "expert inputs")
     if not prec.autocast:
-        out = out[:-1] + [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
-    out += _mlp(spec, routed, prec, spec.expert_width)
+        experts = [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
+    experts += _mlp(spec, routed, prec, spec.expert_width)
     extra = family(spec.model_type).expert_act_extra
     if extra:
-        out.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed, extra))
-    out.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
+        experts.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed,
+                               extra))
+    experts.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
     if prec.autocast and biased_experts(spec):
         # GptOssExperts adds an fp32 bias to each expert matmul's half output (current_state @ W[e] + bias[e]),
         # which promotes gate_up (2f) and the down output (h) to fp32: the saved gate_up halves and the weighted
         # output's input are twice the half width counted above (traced, CPU: 12 MiB of gpt-oss-small's 384)
-        out.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act) * (2 * spec.expert_width + h)
-                           * routed, rep=True))
+        experts.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act)
+                               * (2 * spec.expert_width + h) * routed, rep=True))
+    out += experts if not expert_loop(prec) else [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
     if spec.shared_expert_intermediate_size:
         # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
         # (DeepseekV3MoE / Glm4MoeMoE shared_experts, Llama4TextMoe shared_expert)
@@ -440,6 +442,14 @@ def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     out += _mlp(spec, R, prec, spec.expert_width)
     out += _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
     return out
+
+
+def expert_loop(prec: Precision) -> bool:
+    """fp32 expert weights run transformers' eager loop over the experts (torch._grouped_mm takes half weights
+    only: inputs/hf.py build_model): each expert's tensors are its own storages, of its K*T/E rows on average,
+    where the grouped matmul makes one of all K*T. At gpt-oss-small's 256 rows an expert they are <= 1 MiB
+    (the small pool), one storage of the layer's routed rows is not."""
+    return prec.param == FP32
 
 
 def biased_experts(spec: ModelSpec) -> bool:

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from memplan.estimator.activation_arrays import ActsKey
-from memplan.estimator.activations import ActivationModel, Tensors, TensorKind
+from memplan.estimator.activations import ActivationModel, Tensors, TensorKind, expert_loop
 from memplan.estimator.allocator import simulate
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
@@ -197,7 +197,10 @@ class _Step:
             g = self.groups[i]
             if (g.category in LINEAR_CATEGORIES and element_bytes(g, self.prec.param) == FP32
                     and cast_kept(self.spec, self.k.tuning, g) == kept):
-                keys += [self.sim.alloc(g.numel * HALF) for _ in range(n)]
+                # the expert loop casts each expert's slice of a fused weight (W[e], a view autocast does not
+                # cache): E copies, saved by their matmuls (activations.expert_loop)
+                pieces = g.shape[0] if g.category == "experts" and len(g.shape) == 3 and expert_loop(self.prec) else 1
+                keys += [self.sim.alloc(g.numel * HALF / pieces) for _ in range(n * pieces)]
         if not kept:
             self.sim.free(keys)
             return []
