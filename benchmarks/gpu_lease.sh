@@ -6,6 +6,9 @@
 #        first lease found under-predicted: T5, GPT-2, bert-large bf16, with Llama-3.2-1B as the GPU-bound baseline)
 #   run: bash benchmarks/gpu_lease.sh serve  carry: .whl        timeout_s: 590   (the second lease's one call: the
 #        serving grid, the profiles of T5, GPT-2 and bert-large, then the wide grid's last 3 cases; 8 files)
+#   run: bash benchmarks/gpu_lease.sh recheck  carry: .whl      timeout_s: 560   (for the next lease: the serving
+#        grid again now that verify builds the weights in their dtype on the GPU (docs/verify.md), where the
+#        second lease's holes set reserved; expected within a few % of the replay: results/gpu_lease2/ says how far)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -37,6 +40,11 @@ transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
   echo "== the wide grid's last 3"
   timeout 110 python3 benchmarks/gpu_grid.py --grid wide --first 9 --max-seconds 80 --out "$OUT/gpu_grid_wide_tail"
   exit 0
+fi
+if [ "${1:-}" = recheck ]; then
+  { nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } \
+    >"$OUT/env.txt" 2>&1
+  exec timeout 540 python3 benchmarks/gpu_grid.py --grid serve --max-seconds 480 --out "$OUT/serve_grid"
 fi
 if [ "${1:-}" = profile ]; then
   for c in "t5-base 512 8 bf16" "gpt2 1024 8 fp16" "bert-large 512 8 bf16" "llama-3.2-1b 1024 4 bf16"; do
