@@ -142,3 +142,18 @@ def test_the_api_refuses_misspelled_keywords_and_wrong_types(call, says):
     with pytest.raises(UserError) as e:
         call()
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_suggest_ranks_serving_plans_by_their_generate_call():
+    """suggest --task infer --max-new-tokens prices the whole generate call: on Hopper SDPA's decode pays cuDNN's
+    graph builds (search/cost.py CUDNN_GRAPH_S) and falls behind FlashAttention-2 and eager; on an A100 it ties
+    FlashAttention-2. Training refuses generation's options rather than ignoring them."""
+    kw = dict(task="infer", seq_len=1024, max_new_tokens=64, simulate=False)
+    rates = {gpu: {a: memplan.estimate("llama-3.2-1b", gpu, attn=a, micro_batch=8, **kw).tokens_per_s
+                   for a in ("flash", "sdpa", "eager")} for gpu in ("h100-80g", "a100-80g")}
+    assert rates["h100-80g"]["sdpa"] < rates["h100-80g"]["eager"] < rates["h100-80g"]["flash"]
+    assert rates["a100-80g"]["sdpa"] == pytest.approx(rates["a100-80g"]["flash"])
+    s = memplan.suggest("llama-3.2-1b", "h100-80g", task="infer", seq_len=1024, max_new_tokens=64, top=3)
+    assert s.plans and s.plans[0].workload.attn == "flash" and s.plans[0].workload.max_new_tokens == 64
+    with pytest.raises(memplan.UserError, match="apply to serving"):
+        memplan.suggest("llama-3.2-1b", "h100-80g", max_new_tokens=16)

@@ -210,6 +210,11 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--batch-size", type=int, help=f"global batch in sequences [default: {defaults.GLOBAL_BATCH}]")
 @click.option("--precision", help="one, a comma list, or 'any'; " + PRECISION_HELP)
 @click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
+@click.option("--max-new-tokens", type=int, default=0, show_default=True,
+              help="infer: tokens each sequence generates (one greedy generate call; 0: one scoring forward)")
+@click.option("--beams", type=int, default=1, show_default=True, help="infer: sequences per prompt")
+@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="infer: generate's cache")
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
 @click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
               show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
@@ -221,7 +226,8 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--force", is_flag=True, help="overwrite files that already exist")
 @method_options(search=True)
 def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
-            kernels, tiled_mlp, expandable_segments, as_json, batch_size, precision, grad_ckpt, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
+            kernels, tiled_mlp, expandable_segments, as_json, batch_size, precision, grad_ckpt, max_new_tokens, beams,
+            kv_cache, top, objective, gpus, nodes, zero, fsdp, offload, tp, pp, sp,
             vpp, cpu_mem, net_gbs, emit, out_dir, force, tuning) -> None:
     """Search the layout over the GPUs (TP, PP, DP, ZeRO / FSDP, offload), micro batch, accumulation,
     checkpointing and attention (precision and optimizer when you list them or say 'any'); rank what fits."""
@@ -243,7 +249,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
         fsdp = fsdp or "none"
     s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
-                    momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
+                    max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp,
                     expandable_segments=expandable_segments, **tuning)

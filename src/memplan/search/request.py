@@ -58,6 +58,10 @@ class SearchRequest(BaseModel):
     optim: Choice = None
     grad_ckpt: Choice = None
     attn: Choice = None
+    # infer: one greedy generate call per batch (0: one scoring forward), as estimate's; validated by Workload
+    max_new_tokens: Annotated[int, bounded("max_new_tokens")] = 0
+    beams: Annotated[int, bounded("beams")] = 1
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
     momentum: float = 0.0  # momentum, headroom, zero_grad, net_gbs: validated by Workload (common())
     headroom: float = 0.05
     zero_grad: str = "set-to-none"
@@ -140,7 +144,8 @@ class SearchRequest(BaseModel):
     def common(self) -> dict[str, Any]:
         """The Workload fields every candidate shares."""
         return dict(task=self.task, momentum=self.momentum, headroom=self.headroom, zero_grad=self.zero_grad,
-                    net_gbs=self.net_gbs, expandable_segments=bool(self.expandable_segments))
+                    net_gbs=self.net_gbs, expandable_segments=bool(self.expandable_segments),
+                    max_new_tokens=self.max_new_tokens, beams=self.beams, kv_cache=self.kv_cache)
 
     def tuning(self, method: str) -> dict[str, Any]:
         """The Workload's method fields for one method: the user's knobs where the method reads them

@@ -89,7 +89,7 @@ def space(req: SearchRequest) -> Space:
     values the user named that the constraints table refuses (as estimate would), rather than a search
     where nothing fits."""
     sp = _values(req)
-    fixed = dict(req.common(), gpus=req.gpus, nodes=req.nodes, seq_len=sp.seq, max_new_tokens=0)  # no generation
+    fixed = dict(req.common(), gpus=req.gpus, nodes=req.nodes, seq_len=sp.seq)
     choices = {k: getattr(sp, v) for k, v in KNOBS.items()}
     # every value the user named must run with some setting of the rest (`--precision fp16,bf16` on a V100
     # refuses bf16 with the table's reason rather than dropping it)
