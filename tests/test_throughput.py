@@ -294,17 +294,20 @@ def test_static_cache_reads_its_whole_length():
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(prompt=st.integers(1, 300), new=st.integers(0, 300), window=st.one_of(st.none(), st.integers(1, 400)))
 def test_cudnn_rebuilds_count_the_layers_whose_keys_grew(prompt, new, window):
-    """cuDNN builds a graph per new key length (search/cost.py CUDNN_GRAPH_S): decode step k of new - 1 gives every
-    full layer prompt + k keys, a new length each step; a sliding layer's stop growing at its window (Gemma 3
-    interleaves five sliding layers with a full one)."""
+    """cuDNN builds a graph per new (query, key) shape (search/cost.py CUDNN_GRAPH_S): decode step k of new - 1
+    gives a full layer prompt + k keys, a new length each step, and a sliding one min(prompt + k, window): one
+    build per distinct length (Gemma 3 interleaves five sliding layers with a full one)."""
     spec = memplan.resolve_model("gemma-3-1b")
     spec = spec.model_copy(update={"sliding_window": window}) if window else spec
     gpu = memplan.load_gpu("h100-80g")
     w = memplan.estimate(spec, gpu, task="infer", seq_len=prompt, max_new_tokens=new, attn="sdpa",
                          simulate=False).workload
-    grew = sum(kind != "sliding_attention" or prompt + k <= (spec.sliding_window or 0)
-               for k in range(1, new) for kind in spec.attention_kinds)
-    assert cost.cudnn_rebuilds(spec, gpu, w) == grew
+    lengths = [{prompt + k if kind != "sliding_attention" else min(prompt + k, spec.sliding_window)
+                for k in range(1, new)} for kind in spec.attention_kinds]
+    assert cost.cudnn_rebuilds(spec, gpu, w) == sum(map(len, lengths))
+    fp32 = memplan.estimate(spec, gpu, task="infer", seq_len=prompt, max_new_tokens=new, attn="sdpa",
+                            precision="fp32", simulate=False).workload
+    assert cost.cudnn_rebuilds(spec, gpu, fp32) == 0  # cuDNN's SDPA takes half inputs only
 
 
 def test_cudnn_graph_builds_only_where_torch_picks_cudnn():

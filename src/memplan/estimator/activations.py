@@ -408,7 +408,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
         # output's input are twice the half width counted above (traced, CPU: 12 MiB of gpt-oss-small's 384)
         experts.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act)
                                * (2 * spec.expert_width + h) * routed, rep=True))
-    out += experts if not expert_loop(prec) else [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
+    out += experts if not expert_loop(spec, prec) else [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
     if spec.shared_expert_intermediate_size:
         # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
         # (DeepseekV3MoE / Glm4MoeMoE shared_experts, Llama4TextMoe shared_expert)
@@ -444,12 +444,14 @@ def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     return out
 
 
-def expert_loop(prec: Precision) -> bool:
+def expert_loop(spec: ModelSpec, prec: Precision) -> bool:
     """fp32 expert weights run transformers' eager loop over the experts (torch._grouped_mm takes half weights
     only: inputs/hf.py build_model): each expert's tensors are its own storages, of its K*T/E rows on average,
     where the grouped matmul makes one of all K*T. At gpt-oss-small's 256 rows an expert they are <= 1 MiB
-    (the small pool), one storage of the layer's routed rows is not."""
-    return prec.param == FP32
+    (the small pool), one storage of the layer's routed rows is not. Llama 4's experts run one bmm over all of
+    them whatever the weights (moe_all_experts). The parameter width read is the precision row's: a row that
+    does not store the model's width (FSDP's halfbase) errs toward the grouped matmul."""
+    return prec.param == FP32 and not family(spec.model_type).moe_all_experts
 
 
 def biased_experts(spec: ModelSpec) -> bool:

@@ -162,8 +162,9 @@ class _Serve:
             # the cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one
             # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments).
             # A StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's
-            # transients are freed and before the attention's outputs: between the two moments
-            lazy = self.k.static and not context and moment == "attention" and "rotary" in ws
+            # transients are freed and before the attention's first tensor (eager's scores, else its outputs)
+            first = "scores" if "scores" in ws else "attention"
+            lazy = self.k.static and not context and moment == first and "rotary" in ws
             local = self.reach(local, _own(ws[moment], ws["around"], stream),
                                (lambda: self.kv(b, context)) if lazy else None)
             if (moment == "rotary" and not (self.k.static and not context)) or (

@@ -199,7 +199,8 @@ class _Step:
                     and cast_kept(self.spec, self.k.tuning, g) == kept):
                 # the expert loop casts each expert's slice of a fused weight (W[e], a view autocast does not
                 # cache): E copies, saved by their matmuls (activations.expert_loop)
-                pieces = g.shape[0] if g.category == "experts" and len(g.shape) == 3 and expert_loop(self.prec) else 1
+                pieces = (g.shape[0] if g.category == "experts" and len(g.shape) == 3
+                          and expert_loop(self.spec, self.prec) else 1)
                 keys += [self.sim.alloc(g.numel * HALF / pieces) for _ in range(n * pieces)]
         if not kept:
             self.sim.free(keys)

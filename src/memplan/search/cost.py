@@ -519,8 +519,9 @@ def peak_tflops(gpu: GPUProfile, precision: str) -> float:
     return gpu.tflops.get(COMPUTE_DTYPE[precision]) or gpu.tflops.get("fp32", 1.0)
 
 
-# A serving forward's host time per kernel it launches (no autograd, transformers' Python modules and torch's
-# dispatch around each kernel). A decode step of a small model is nothing but this: measured on the H200 lease of
+# A decode forward's host time per kernel it launches (no autograd, transformers' Python modules and torch's
+# dispatch around each kernel; the prefill and scoring forwards keep the training floor, Generation.launch_s, as
+# they are long on the GPU). A decode step of a small model is nothing but this: measured on the H200 lease of
 # 2026-11-27 (benchmarks/results/gpu_lease2/, torch 2.11, transformers 5.24), decode steps without cuDNN attention
 # took 9.5-33 ms where this model's kernels at the training launch floor (Generation.launch_s, fitted on large
 # published training runs) gave 2-3 ms. The value is the median over those steps of the measured step / the
@@ -539,14 +540,24 @@ CUDNN_FIRST_MAJORS = (9, 10)
 
 def cudnn_rebuilds(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> int:
     """cuDNN graph builds in one generate call's decode steps: each step, each layer whose key length grew. A
-    sliding layer's keys stop growing once the window is full; a static cache's never change length."""
+    windowed layer's keys (sliding, or Llama 4's chunks, cached as a sliding window: inference.layer_windows)
+    stop growing once the window is full, after one build for the first decode step's shape; a static cache's
+    never change length. cuDNN's SDPA takes half inputs only: fp32 serving runs another kernel. The prefill's
+    own build is not counted."""
+    from memplan.estimator.inference import layer_windows  # inference imports this module
+
     steps = max(w.max_new_tokens - 1, 0)
-    if w.attn != "sdpa" or w.kv_cache != "dynamic" or gpu.compute_capability[0] not in CUDNN_FIRST_MAJORS:
+    if (w.attn != "sdpa" or w.kv_cache != "dynamic" or gpu.compute_capability[0] not in CUDNN_FIRST_MAJORS
+            or PRECISIONS[_serving_compute(w)].half is None):
         return 0
-    kinds = spec.attention_kinds
-    sliding = sum(k == "sliding_attention" for k in kinds)
-    growing = max(0, min(steps, (spec.sliding_window or 0) - w.seq_len))  # steps before a window fills
-    return (len(kinds) - sliding) * steps + sliding * growing
+    return sum(steps if win is None else min(steps, max(win - w.seq_len, 1)) for win in layer_windows(spec))
+
+
+def serving_tokens(w: Workload) -> int:
+    """The tokens a serving step's rate counts: a generate call's new ones (one per prompt and step: beams are
+    generate's search, not output), or the scoring forward's prompt tokens (an image model's seq_len is its
+    patches + CLS: the constraints refuse any other)."""
+    return w.micro_batch * (w.max_new_tokens or w.seq_len)
 
 
 def _serving_compute(w: Workload) -> str:
@@ -591,7 +602,7 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
             + cudnn_rebuilds(spec, gpu, w) * CUDNN_GRAPH_S
     fwd = 2 * active_params(spec) * seqs * (seq + steps)
     peak = peak_tflops(gpu, w.precision)
-    tokens = w.micro_batch * (new if new else seq)
+    tokens = serving_tokens(w)
     return Throughput(t, w.micro_batch * w.dp / t, tokens * w.dp / t, fwd / (t * peak * 1e12))
 
 

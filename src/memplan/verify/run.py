@@ -356,8 +356,10 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
     notes: list[str] = []
     ws = est.breakdown.get("workspace", 0)
     tokens = w.micro_batch * w.seq_len * min(w.grad_accum, 2)  # a training step's
-    if w.task == "infer":  # the generate call's new tokens, or the scoring forward's
-        tokens = w.micro_batch * w.beams * (w.max_new_tokens or w.seq_len)
+    if w.task == "infer":  # the generate call's new tokens, or the scoring forward's: the estimate's count
+        from memplan.search.cost import serving_tokens
+
+        tokens = serving_tokens(w)
     if device == "cuda":
         meters = [check("peak_allocated", est.peak_allocated_bytes, run["allocated"], "measured"),
                   check("peak_reserved", est.peak_reserved_bytes, run["reserved"], "measured"),
