@@ -94,7 +94,7 @@ def compare(path) -> dict:
     doc = load(path)
     trace = doc["device_traces"][0]
     start = step_start(trace)
-    expandable = "expandable_segments:True" in doc["alloc_conf"]
+    expandable = doc["report"]["workload"]["expandable_segments"]  # verify checked it against the allocator
     estimate = next(m["predicted_bytes"] for m in doc["report"]["meters"] if m["meter"] == "peak_reserved")
     return {"run": pathlib.Path(path).name, "expandable": expandable, "measured": measured(trace, start),
             "from_build": None if expandable else from_build(trace, start), "packed": packed(trace, start, expandable),

@@ -3,9 +3,10 @@ event in order (torch.cuda.memory._record_memory_history, no stack frames), with
 what the allocator simulation (estimator/allocator.py) is checked against where a real run's reserved differs
 from the simulation of the traced allocations.
 
-    PYTORCH_CUDA_ALLOC_CONF=... python benchmarks/gpu_memory_history.py OUT.pkl.gz --model M [verify options]
+    [PYTORCH_ALLOC_CONF=expandable_segments:True] python benchmarks/gpu_memory_history.py OUT.pkl.gz model=M [key=value ...]
 
-Options after OUT are `memplan verify`'s, as keyword=value pairs of the API (task=infer micro_batch=4 ...).
+The pairs after OUT are `memplan.verify.run.run`'s keywords (task=infer micro_batch=4 expandable_segments=true ...);
+verify refuses an allocator setting that is not the workload's.
 """
 import gzip
 import os
@@ -30,14 +31,14 @@ def main() -> int:
         return 2
     out, kw = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
     kw = {k: _value(v) for k, v in kw.items()}
-    from memplan.verify.run import run
+    from memplan.verify.run import alloc_conf, run
 
     torch.cuda.init()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=2_000_000)
     rep = run(gpu="auto", device="cuda", **kw)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    doc = {"kwargs": kw, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "torch": torch.__version__,
+    doc = {"kwargs": kw, "alloc_conf": alloc_conf(os.environ), "torch": torch.__version__,
            "report": rep.model_dump(mode="json"), "device_traces": snap["device_traces"]}
     with gzip.open(out, "wb") as f:
         pickle.dump(doc, f)

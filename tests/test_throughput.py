@@ -324,7 +324,8 @@ def test_cudnn_graph_builds_only_where_torch_picks_cudnn():
         e = memplan.estimate(spec, gpu, attn=attn, kv_cache=cache, **kw)
         assert cost.cudnn_rebuilds(spec, memplan.load_gpu(gpu), e.workload) == 0
     eager = memplan.estimate(spec, h200, attn="eager", **kw)
-    assert sdpa.step_time_s > 3 * eager.step_time_s  # measured: 14.3-17.8 s against 1.84 s at b 4, 128 tokens
+    # measured decode steps (serving_speed.py): SDPA 54-57 ms at b 8, eager 13.5-17.6 ms at b 4 and 8
+    assert sdpa.step_time_s > 3 * eager.step_time_s
 
 
 def test_a_decode_step_is_host_bound_at_the_serving_launch_floor():

@@ -105,6 +105,29 @@ def method_options(search: bool):
     return deco
 
 
+def generation_options(plan: bool = False):
+    """Serving's generate options (`--task infer`), one definition for estimate, suggest and verify. plan: verify's,
+    which default to the plan's (--plan) and so have no default of their own."""
+    defaults = {"max_new_tokens": 0, "beams": 1, "kv_cache": "dynamic"}
+    given = (lambda k: {}) if plan else (lambda k: {"default": defaults[k], "show_default": True})
+    said = (lambda k: f" [default: {defaults[k]}]") if plan else (lambda k: "")
+    opts = [
+        click.option("--max-new-tokens", type=int, **given("max_new_tokens"),
+                     help="infer: tokens each sequence generates (one greedy generate call; 0: one scoring forward)"
+                     + said("max_new_tokens")),
+        click.option("--beams", type=int, **given("beams"), help="infer: sequences per prompt" + said("beams")),
+        click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), **given("kv_cache"),
+                     help="infer: generate's cache (static: StaticCache, allocated for the whole length up front)"
+                     + said("kv_cache")),
+    ]
+
+    def deco(f):
+        for o in reversed(opts):
+            f = o(f)
+        return f
+    return deco
+
+
 def _parallel_options(search: bool):
     """Multi-GPU options; `suggest` takes lists or 'any' where `estimate` takes one value."""
     many = " (one, a comma list, or 'any') [default: any]" if search else ""
@@ -176,10 +199,7 @@ def cli() -> None:
 @click.option("--grad-accum", type=int, default=1, show_default=True)
 @click.option("--precision", help=PRECISION_HELP)
 @click.option("--grad-ckpt", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
-@click.option("--max-new-tokens", type=int, default=0, show_default=True, help="infer: tokens to generate")
-@click.option("--beams", type=int, default=1, show_default=True)
-@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
-              help="infer: generate's cache (static: StaticCache, allocated for the whole length up front)")
+@generation_options()
 @_parallel_options(search=False)
 @method_options(search=False)
 def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code,
@@ -210,11 +230,7 @@ def estimate(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad
 @click.option("--batch-size", type=int, help=f"global batch in sequences [default: {defaults.GLOBAL_BATCH}]")
 @click.option("--precision", help="one, a comma list, or 'any'; " + PRECISION_HELP)
 @click.option("--grad-ckpt", help="none, selective, full, a comma list, or 'any' [default: any]")
-@click.option("--max-new-tokens", type=int, default=0, show_default=True,
-              help="infer: tokens each sequence generates (one greedy generate call; 0: one scoring forward)")
-@click.option("--beams", type=int, default=1, show_default=True, help="infer: sequences per prompt")
-@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
-              help="infer: generate's cache")
+@generation_options()
 @click.option("--top", type=int, default=5, show_default=True, help="how many plans to show")
 @click.option("--objective", type=click.Choice(["throughput", "min-gpus", "headroom"]), default="throughput",
               show_default=True, help="rank by speed, by the fewest GPUs that fit, or by free memory")
@@ -282,9 +298,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
               "auto: cuda when there is a GPU, else fake")
 @click.option("--steps", type=int, default=2, show_default=True, help="optimizer steps, at least 2: the "
               "estimate is the steady state, which the second step reaches (the first creates the optimizer state)")
-@click.option("--max-new-tokens", type=int, help="infer: tokens to generate (greedy) [default: 0, one scoring forward]")
-@click.option("--beams", type=int, help="infer: sequences per prompt [default: 1]")
-@click.option("--kv-cache", type=click.Choice(["dynamic", "static"]), help="infer: generate's cache [default: dynamic]")
+@generation_options(plan=True)
 @method_options(search=False)
 def verify(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad, headroom, trust_remote_code, kernels,
            tiled_mlp, expandable_segments, as_json,

@@ -152,6 +152,7 @@ class _Serve:
         and the block's input)."""
         local: list[tuple[int, int]] = []  # (bytes, key) of the block's live tensors
         cast: set[bool] = set()  # whose casts are made: the attention's (True), the rest's (False)
+        kv_at = self.kv_moment(ws, context)
         for moment in MOMENTS:
             if moment not in ws:
                 continue
@@ -159,20 +160,25 @@ class _Serve:
             if moment in CAST_BEFORE and attention not in cast:  # as the projections first read them
                 self.layer_casts(groups, attention)
                 cast.add(attention)
-            # the cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one
-            # tensor there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments).
-            # A StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's
-            # transients are freed and before the attention's first tensor (eager's scores, else its outputs)
-            first = "scores" if "scores" in ws else "attention"
-            lazy = self.k.static and not context and moment == first and "rotary" in ws
             local = self.reach(local, _own(ws[moment], ws["around"], stream),
-                               (lambda: self.kv(b, context)) if lazy else None)
-            if (moment == "rotary" and not (self.k.static and not context)) or (
-                    moment == "attention" and "rotary" not in ws):
+                               (lambda: self.kv(b, context)) if kv_at == (moment, True) else None)
+            if kv_at == (moment, False):
                 self.kv(b, context)
         out = self.sim.alloc(stream)
         self.sim.free([key for _, key in local])
         return out
+
+    def kv_moment(self, ws: dict[str, list[Tensors]], context: int) -> tuple[str, bool]:
+        """Where a block's cache update runs: (the moment, True: between its frees and its makes; False: after it).
+        The cache takes RoPE's k; without RoPE it is made after the attention moment: its q, k, v are one tensor
+        there, and the cat before it would precede them (GPT-2 int8: -8.5 % under expandable segments). A
+        StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's transients are
+        freed and before the attention's first tensor (eager's scores, else its outputs)."""
+        if "rotary" not in ws:
+            return "attention", False
+        if self.k.static and not context:
+            return ("scores" if "scores" in ws else "attention"), True
+        return "rotary", False
 
     def reach(self, live: list[tuple[int, int]], target: list[int], between=None) -> list[tuple[int, int]]:
         """From the live tensors to the moment's: those of a size it holds stay, the others are freed, then

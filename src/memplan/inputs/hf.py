@@ -424,7 +424,7 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
                 half_weights: bool = False, dtype=None):
     """The transformers model of `head` for this config, with random weights in the current device / mode; dtype:
     the parameters' dtype from the start (from_config's, as from_pretrained's: float buffers such as RoPE's
-    inv_freq stay fp32), None: transformers' default (fp32).
+    inv_freq stay fp32), None: transformers' default (the config's dtype, else fp32).
 
     attn: transformers' attn_implementation ("eager", "sdpa", or "memplan": memplan.kernels' tiled
     attention; memplan's flash runs as sdpa with the flash kernel forced, which keeps the same tensors as

@@ -157,7 +157,7 @@ def run_traced_infer(config, head: str | None, w: Workload, sm: tuple[int, int],
     return {"summary": summary, "times": times, "kernels": dict(sem.kernels), "seconds": time.perf_counter() - t0}
 
 
-def _warm_up(model, head: str, w: Workload, dtype, autocast, device: str = "cuda") -> None:
+def _warm_up(model, head: str, w: Workload, dtype, autocast) -> None:
     """One forward of a single short prompt before the measured call, so that the prefill's time is not CUDA's
     and cuBLAS's lazy start-up. What it leaves reserved is released (fresh_peaks); cuBLAS's workspace stays, as
     it would after the first matmul of the measured call."""
@@ -165,9 +165,8 @@ def _warm_up(model, head: str, w: Workload, dtype, autocast, device: str = "cuda
 
     short = w.model_copy(update=dict(micro_batch=1, beams=1, seq_len=min(w.seq_len, 8), max_new_tokens=0))
     with torch.no_grad(), (autocast() if autocast else contextlib.nullcontext()):
-        model(**prompts(model, head, short, device, dtype))
-    if device == "cuda":
-        torch.cuda.synchronize()
+        model(**prompts(model, head, short, "cuda", dtype))
+    torch.cuda.synchronize()
 
 
 def run_cuda_infer(config, head: str | None, w: Workload) -> dict[str, Any]:
