@@ -906,10 +906,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     if spec.arch == "vision":  # the images stay alive through the forward, in the weights' dtype
         pixels = [Tensors("pixel values", r * b * spec.num_channels * spec.image_size ** 2)]
         around, head = around + pixels, head + pixels
-    if attn == "eager" and spec.arch == "decoder":
-        # the decoder layer binds eager attention's returned probabilities to `_` (hidden_states, _ =
-        # self.self_attn(...)), which keeps them alive through the MLP (traced: gpt-oss)
-        mlp = mlp + [Tensors("attention probabilities (kept by the layer)", p * b * spec.num_heads * s * (context or s))]
+    mlp = mlp + _kept_probabilities(spec, b, s, p, r, attn, context)
     layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
     if spec.norm == "rmsnorm" and r != FP32:
         # in pure half an RMSNorm's fp32 input copy and its fp32 normalised product, before each of a block's two
@@ -921,6 +918,16 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     # "around": what every layer reads, the first entries of each layer moment's list (the serving replay makes them
     # once a forward: serving_timeline.py)
     return {k: around + ts for k, ts in layer.items()} | {"head": head, "around": around}
+
+
+def _kept_probabilities(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int) -> list[Tensors]:
+    """A decoder layer binds eager attention's returned probabilities to `_` (hidden_states, _ =
+    self.self_attn(...)), which keeps them alive through the MLP (traced: gpt-oss); in the query's width where the
+    serving replay runs the core in order (inference_eager_core), else in the matmul dtype."""
+    if attn != "eager" or spec.arch != "decoder":
+        return []
+    width = query_width(spec, p, r) if inference_eager_core(spec, b, s, p, r, attn, context) else p
+    return [Tensors("attention probabilities (kept by the layer)", width * b * spec.num_heads * s * (context or s))]
 
 
 def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool,
@@ -1032,6 +1039,47 @@ def rotary_in_stream_dtype(spec: ModelSpec) -> bool:
     return spec.position == "rotary" and not family(spec.model_type).rope_keeps_proj_dtype
 
 
+def query_width(spec: ModelSpec, p: int, r: int) -> int:
+    """The query's (and key's) width under no_grad: RoPE's output, in the residual stream's dtype
+    (rotary_in_stream_dtype), else the projection's. Eager attention casts the softmax output to it
+    (`.to(query.dtype)`)."""
+    return r if rotary_in_stream_dtype(spec) else p
+
+
+def inference_eager_core(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
+                         context: int) -> list[tuple[int, int]]:
+    """A decoder's eager attention core under no_grad, in order, for the serving replay (transformers 5.24
+    eager_attention_forward): (slot, bytes) makes a tensor, (~slot, 0) frees it; the one left alive is the
+    probabilities the layer keeps (inference_working_set: bound to `_` until the layer returns). Traced, prefill:
+    StarCoder 2, Qwen3-MoE and Gemma 3 bf16-pure: bmm, mul, bmm freed, add, mul freed, _to_copy (fp32), _softmax,
+    the copy freed, _to_copy (bf16), the softmax freed, the masked scores freed; Qwen3 under autocast: the add
+    promoted to fp32, _softmax, the masked freed, the PV matmul's half cast made and freed; Llama 4: a bf16 softmax,
+    the masked freed.
+    - QK^T and its scaled copy in the matmul dtype (Gemma 2 soft-caps them: three more, each freeing the last); the
+      float mask, in the residual stream's dtype, promotes the sum;
+    - an fp32 softmax (the family's, or an fp32 stream) of a half input reads an fp32 copy of it;
+    - `.to(query.dtype)` copies the softmax output where the widths differ, before the masked scores' name is
+      rebound (so those die last); autocast casts fp32 probabilities to half for the PV matmul.
+    Empty where the order is another: an encoder, multi-head latent attention, a family's own core (Falcon's score
+    tensors, GPT-OSS's sinks); the serving replay then walks the core's moments."""
+    fam = family(spec.model_type)
+    if attn != "eager" or spec.arch != "decoder" or spec.is_mla or fam.eager_score_tensors or fam.attention_sinks:
+        return []
+    n = b * spec.num_heads * s * (context or s)
+    softmax = FP32 if (fam.softmax_fp32 or r == FP32) else r
+    query = query_width(spec, p, r)
+    ops, scores = [(0, p * n), (1, p * n), (~0, 0)], 1
+    for slot in range(7, 10) if spec.attn_logit_softcapping else ():  # Gemma 2: / cap, tanh, * cap
+        ops += [(slot, p * n), (~scores, 0)]
+        scores = slot
+    ops += [(2, r * n), (~scores, 0)]
+    ops += [(3, FP32 * n), (4, softmax * n), (~3, 0)] if softmax != r else [(4, softmax * n)]
+    ops += [(5, query * n), (~4, 0), (~2, 0)] if query != softmax else [(~2, 0)]
+    if query == FP32 and p != FP32:  # autocast's half copy of the probabilities for the PV matmul
+        ops += [(6, p * n), (~6, 0)]
+    return ops
+
+
 def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,
                          post_norm: bool) -> dict[str, list[Tensors]]:
     """A layer's attention under no_grad: the embedding output, the layer input and the norm output (no norm
@@ -1041,7 +1089,7 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     stream = [Tensors("embedding output, layer input, (norm output)", r * h * T, 2 if post_norm else 3)]
     # RoPE multiplies q and k by cos / sin in the residual stream's dtype, so under autocast they are fp32 (v stays
     # in the matmul dtype, and is cached so: inference.py, kv_b)
-    qkv = r if rotary_in_stream_dtype(spec) else p
+    qkv = query_width(spec, p, r)
     if spec.is_mla:
         # multi-head latent attention decompresses the cached latent at every step (modeling_deepseek_v3.py):
         # the query at a * dq per new token; the key at a * dq and kv_b_proj's output (k_nope and v, which the
@@ -1073,7 +1121,8 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     else:
         core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
     out = {"attention": stream + qkv_ts + core}
-    if attn == "eager" and not family(spec.model_type).eager_score_tensors:
+    if attn == "eager" and not family(spec.model_type).eager_score_tensors and not inference_eager_core(
+            spec, b, s, p, r, attn, context):
         # before the mask: QK^T and its scaled copy, the product freed after the sum (eager_attention_forward:
         # matmul(q, k^T) * scaling, then + mask), both in the matmul dtype (traced: StarCoder 2). Only the serving
         # replay reads this moment (the masked scores' moment is larger)

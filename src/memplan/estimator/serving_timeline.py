@@ -6,7 +6,8 @@
 - the prompts' token ids;
 - the prefill: the embedding output and what every layer reads (RoPE's tables, masks) before the blocks; in each
   block its live tensors moment by moment (activations.inference_working_set's, in MOMENTS' order: the step from
-  one moment's set to the next frees what the next does not hold and makes what it adds), its KV cache made where
+  one moment's set to the next frees what the next does not hold and makes what it adds; a decoder's eager core
+  op by op, activations.inference_eager_core), its KV cache made where
   RoPE has run (without RoPE after the attention moment), autocast's cached weight copies made as the block's
   projections first read them; then the head's final norm, logits and generate's fp32 copy of them;
 - each decode step the same at one token a sequence, each layer's cache grown by torch.cat (transformers 5.24
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimator.activations import Tensors, inference_working_set
+from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, is_core
 from memplan.estimator.families import family
 from memplan.estimator.finetune import in_decoder
 from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
@@ -132,8 +133,9 @@ class _Serve:
         embed = self.sim.alloc(stream)
         around = self.tensors(ws["around"])
         held = embed
+        core = inference_eager_core(self.spec, seqs, tokens, self.p, self.r, k.attn, context)
         for b, groups in enumerate(self.blocks):
-            out = self.block(b, groups, ws, stream, context)
+            out = self.block(b, groups, ws, core, stream, context)
             if held != embed:
                 self.sim.free([held])
             held = out
@@ -145,11 +147,12 @@ class _Serve:
             self.tied_cast()
         self.sim.free(head + self.tensors(ws["head"][1:]))
 
-    def block(self, b: int, groups: list[tuple[ParamGroup, int]], ws: dict[str, list[Tensors]], stream: int,
-              context: int) -> int:
+    def block(self, b: int, groups: list[tuple[ParamGroup, int]], ws: dict[str, list[Tensors]],
+              core: list[tuple[int, int]], stream: int, context: int) -> int:
         """One block's forward; returns its output's key. The block's own tensors are a moment's set less what every
         layer reads (ws["around"]) and the two residual-stream tensors held across blocks (the embedding output
-        and the block's input)."""
+        and the block's input). Where eager's core has an order (core: activations.inference_eager_core), the
+        attention moment's other tensors are reached first and the core runs in that order."""
         local: list[tuple[int, int]] = []  # (bytes, key) of the block's live tensors
         cast: set[bool] = set()  # whose casts are made: the attention's (True), the rest's (False)
         kv_at = self.kv_moment(ws, context)
@@ -160,13 +163,28 @@ class _Serve:
             if moment in CAST_BEFORE and attention not in cast:  # as the projections first read them
                 self.layer_casts(groups, attention)
                 cast.add(attention)
-            local = self.reach(local, _own(ws[moment], ws["around"], stream),
+            ordered = bool(core) and moment == "attention"
+            target = [t for t in ws[moment] if not (ordered and is_core(t))]
+            local = self.reach(local, _own(target, ws["around"], stream),
                                (lambda: self.kv(b, context)) if kv_at == (moment, True) else None)
+            if ordered:
+                local.append(self.core(core))
             if kv_at == (moment, False):
                 self.kv(b, context)
         out = self.sim.alloc(stream)
         self.sim.free([key for _, key in local])
         return out
+
+    def core(self, ops: list[tuple[int, int]]) -> tuple[int, int]:
+        """Runs eager's core ops; returns (bytes, key) of the one tensor they leave alive."""
+        live: dict[int, tuple[int, int]] = {}
+        for slot, nbytes in ops:
+            if slot >= 0:
+                live[slot] = (nbytes, self.sim.alloc(nbytes))
+            else:
+                self.sim.free([live.pop(~slot)[1]])
+        (kept,) = live.values()
+        return kept
 
     def kv_moment(self, ws: dict[str, list[Tensors]], context: int) -> tuple[str, bool]:
         """Where a block's cache update runs: (the moment, True: between its frees and its makes; False: after it).
