@@ -182,6 +182,16 @@ class _Step:
         self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
             if tied_head(k.spec) else None
         self.grads: dict[int, list[int]] = {}  # a group's index -> its gradients' keys
+        # the vocabulary matrix's gradient comes in parts when more than one module reads it: a tied head, and both
+        # stacks of an encoder-decoder (T5's and BART's shared embedding): matrix_part
+        self.reads = (self.tied is not None) + (2 if k.spec.arch == "encoder-decoder" else 1)
+        self.shared = self.tied if self.tied is not None else next(
+            (i for i, g in enumerate(self.groups) if g.category == "embeddings" and g.shape[:1] == (k.spec.vocab_size,)),
+            None)
+        if self.reads < 2 or self.shared is None or not self.groups[self.shared].trainable:
+            self.shared = None
+        self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
+        self.parts = 0
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
@@ -282,12 +292,14 @@ class _Step:
         held = [self.forward(b, full, cached) for b in self.blocks]
         self.loss(cached)
         again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
-        for b, keys in reversed(list(zip(self.blocks, held))):  # full: its forward again; selective: its core
+        first_decoder = self.spec.num_layers if self.spec.arch == "encoder-decoder" else None
+        for n, (b, keys) in reversed(list(enumerate(zip(self.blocks, held)))):  # full: its forward again; selective: its core
             if b.recorded:
                 self.layer_backward(b, keys, b.saved if again is None else again)
-        if self.tied is not None and self.groups[self.tied].trainable:  # the embedding's dense gradient, its sum
-            v = self.spec.vocab_size * self.spec.hidden_size * self.prec.grad
-            self.sim.free([self.sim.alloc(v), self.sim.alloc(v)])
+            if n == first_decoder and self.shared is not None:  # the decoder's embedding, before the encoder
+                self.matrix_part()
+        if self.shared is not None:
+            self.matrix_part()
         for i, g in enumerate(self.groups):
             self.grad(i, g.count)
         self.sim.free(embed)
@@ -296,6 +308,7 @@ class _Step:
         """The head and the loss, forward and backward, up to the head's gradient."""
         head = self.casts([(i, g.count) for i, g in enumerate(self.groups) if g.category == "head"])
         head += self.tied_cast()
+        autocast = bool(head)  # the head's weights are cast: its matmul's weight gradients are half
         saved = self.am.head_saved
         lsm_at = [k for k, t in enumerate(saved) if t.kind == TensorKind.LOG_SOFTMAX]
         if self.traced:  # the window's own order, the head's saved storages born where their markers are
@@ -322,10 +335,43 @@ class _Step:
             # lists: the logits, then their fp32 copy) for the head's matmul backward
             cast = self.tensors(self.am.loss_forward[:1]) if len(self.am.loss_forward) > 1 else []
             self.sim.free(grads[1:])
-        for i, g in enumerate(self.groups):  # the head's gradient first (the tied embedding matrix's, when tied)
-            if g.category == "head" or i == self.tied:
+        # the head's weight gradients: under autocast the matmul's half gradient first, then dL/dlogits and the
+        # weights' casts die, then AccumulateGrad's fp32 copy is made and the half one dies (traced: qwen3-small
+        # bf16: mm, the cast dL/dlogits and the head's cast freed, _to_copy, the mm's freed); a half model's
+        # matmul makes the gradient itself, before those die
+        trained = [(i, g) for i, g in enumerate(self.groups) if (g.category == "head" or i == self.tied) and g.trainable]
+        halves = [self.sim.alloc(g.numel * HALF) for _, g in trained for _ in range(g.count)] if autocast else []
+        if halves:
+            self.sim.free(cast + head)
+        for i, g in trained:
+            if i == self.shared:  # the tied matrix's part from the head
+                self.matrix_part()
+            elif i != self.tied:
                 self.grad(i, g.count)
-        self.sim.free(cast + head)
+        self.sim.free(halves if halves else cast + head)
+
+    def matrix_part(self) -> None:
+        """One more part of the shared vocabulary matrix's gradient (the head's, the decoder's embedding's, the
+        encoder's or only embedding's, in the order backward makes them). The first waits in autograd's input buffer;
+        each later one is summed with it out of place, both addends freed; the last sum becomes .grad, or is added
+        into an existing one in place and freed. Traced: cohere2-small and qwen3-small (the head's part,
+        embedding_dense_backward, add, the part and the dense gradient freed), bart-small (a second sum after the
+        decoder's embedding, before the encoder's blocks). The replay had kept the head's part as .grad and the
+        optimizer states went behind it: cohere2-small b3 s96 +15.6 % under expandable segments."""
+        v = self.spec.vocab_size * self.spec.hidden_size * self.prec.grad
+        new = self.sim.alloc(v)
+        if self.part is not None:
+            total = self.sim.alloc(v)
+            self.sim.free([self.part, new])
+            new = total
+        self.part, self.parts = new, self.parts + 1
+        if self.parts < self.reads:
+            return
+        if self.grads.get(self.shared):
+            self.sim.free([new])
+        else:
+            self.grads[self.shared] = [new]
+        self.part, self.parts = None, 0
 
     def layer_backward(self, block: _Block, held: list[int], recomputed: list[Tensors]) -> None:
         """One block's backward after recomputing `recomputed` (full checkpointing: its saved list and casts; a

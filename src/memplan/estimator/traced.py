@@ -39,7 +39,7 @@ from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.trace import SAVED
 
-FORMAT = 7  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 8  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
@@ -59,7 +59,7 @@ class TraceKey:
     # full gradient checkpointing: the last block's backward is traced with it (its recompute), and a decoder runs
     # without its KV cache (transformers turns use_cache off under checkpointing; on otherwise, in training too)
     checkpointed: bool
-    beyond_window: bool  # the sequences are longer than the model's attention window / chunk
+    beyond_window: bool  # the sequences reach the model's attention window / chunk (activations.sdpa_masked)
     versions: str  # transformers, torch, FORMAT
 
     @property
@@ -110,13 +110,18 @@ def key_of(spec: ModelSpec, s: int, prec: Precision, attn: str, checkpointed: bo
     name = prec.name.replace("fp16", "bf16")
     w = window(spec)
     return TraceKey(spec.traced_config, spec.head, name, "eager" if attn == "eager" else "sdpa",
-                    checkpointed, bool(w and s > w), versions())
+                    checkpointed, bool(w and s >= w), versions())
 
 
 def seq_points(spec: ModelSpec, beyond: bool) -> tuple[int, ...]:
-    """Four sequence lengths on the workload's side of the attention window, within the positions."""
+    """Four sequence lengths on the workload's side of the attention window, within the positions. A sequence as
+    long as the window is on its far side: masking_utils materialises the window's mask once the keys reach it
+    (_ignore_causal_mask_sdpa: kv_length >= local_attention_size), and the layer saves one more storage (traced:
+    cohere2-small, window 128: 20 storages a sliding block at s 127, 21 at 128, 129 and 160; with 128 among the
+    near side's points their counts differed and the block was fitted as one 2.8 MiB lump). The far side's points
+    start past it (at s = 128 one of them is 4,096 bytes, at 129 and on 5,120)."""
     w, top = window(spec), spec.max_position or 512
-    lo, hi = (w + 1, min(top, w + 2048)) if (w and beyond) else (1, min(top, w or 512, 512))
+    lo, hi = (w + 1, min(top, w + 2048)) if (w and beyond) else (1, min(top, (w or 513) - 1, 512))
     # multiples of 32 where there is room (the memory-efficient kernel pads its log-sum-exp to 32 rows)
     step = 32 if hi // 32 - -(-lo // 32) >= SEQ_POINTS - 1 else 1
     first, last = -(-lo // step), hi // step
