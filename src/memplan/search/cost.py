@@ -430,6 +430,18 @@ def zero3_latency(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> float:
     return 3 * units * ring_latency(w.dp, nodes)
 
 
+# What a data-parallel step loses beyond its all-reduce's exposed bytes, as a share of one micro batch's compute, at
+# the step's gradient synchronisation (DDP, ZeRO-1/2; FSDP's per-unit collectives are priced by `_fsdp_comm`):
+# DDP's bucket copies, NCCL's kernels taking SMs and memory bandwidth from the backward they overlap, the slowest
+# rank setting the step. The published runs show it where the all-reduce alone cannot: DeepLearningExamples'
+# BERT SQuAD fine-tuning (no accumulation) keeps 0.70-0.96 of its one-GPU throughput per GPU on 8 V100s, in FP32
+# as in FP16, though the all-reduce at NVLink's bandwidth is 3-5 % of the step and overlaps the backward; its
+# pre-training, which synchronises once per many micro batches, keeps 0.95-0.99. Fitted by
+# `python benchmarks/throughput/compare.py` over a grid (docs/cost-model.md): loss 0.0243 at 0, 0.0212 at 0.05-0.07,
+# 0.0213 at 0.08-0.09, 0.0221 at 0.15.
+DP_STEP_SYNC = 0.07
+
+
 def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, trained, compute_micro):
     """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`): the gradients
     of the trained parameters, and under ZeRO-3 / FSDP the gathers of all of them."""
@@ -446,9 +458,10 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
     # ZeRO-0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
     # boundary, overlapped with the last micro batch's backward
-    z01 = np.maximum(ar * g_bytes - backward, 0.0)
+    sync = DP_STEP_SYNC * compute_micro
+    z01 = np.maximum(ar * g_bytes - backward, 0.0) + sync
     # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the updated parameters
-    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * width
+    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * width + sync
     # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
     # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
     # DeepSpeed fetches a module's parameters when it runs and prefetches at most stage3_prefetch_bucket_size
