@@ -83,6 +83,12 @@ def quantise(model, config) -> None:
             module.weight = op.convert({key: weight.detach()}, model=model, full_layer_name=key)[key]
             if bias is not None:
                 module.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        if isinstance(module, bnb.nn.Linear4bit):
+            # the CPU run stands in for a CUDA one: on a CPU with AVX512-BF16, bitsandbytes 0.50's first no-grad
+            # forward repacks each 4-bit weight into a new storage for its CPU kernel (nn/modules.py
+            # Linear4bit.forward, _convert_weight_packed_for_cpu), which CUDA never does; the tracker then
+            # counted Mixtral-small's packed weights (1.3 MiB) as freed, on such a machine only
+            module.support_avx512bf16_for_cpu = False
     quantizer.postprocess_model(model)
 
 
