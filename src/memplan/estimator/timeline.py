@@ -185,9 +185,9 @@ class _Step:
         # the vocabulary matrix's gradient comes in parts when more than one module reads it: a tied head, and both
         # stacks of an encoder-decoder (T5's and BART's shared embedding): matrix_part
         self.reads = (self.tied is not None) + (2 if k.spec.arch == "encoder-decoder" else 1)
-        self.shared = self.tied if self.tied is not None else next(
-            (i for i, g in enumerate(self.groups) if g.category == "embeddings" and g.shape[:1] == (k.spec.vocab_size,)),
-            None)
+        vocab = [i for i, g in enumerate(self.groups)
+                 if g.category == "embeddings" and g.shape[:1] == (k.spec.vocab_size,)]
+        self.shared = self.tied if self.tied is not None else next(iter(vocab), None)
         if self.reads < 2 or self.shared is None or not self.groups[self.shared].trainable:
             self.shared = None
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
@@ -293,7 +293,8 @@ class _Step:
         self.loss(cached)
         again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
         first_decoder = self.spec.num_layers if self.spec.arch == "encoder-decoder" else None
-        for n, (b, keys) in reversed(list(enumerate(zip(self.blocks, held)))):  # full: its forward again; selective: its core
+        # full: each block's forward again; selective: its core
+        for n, (b, keys) in reversed(list(enumerate(zip(self.blocks, held)))):
             if b.recorded:
                 self.layer_backward(b, keys, b.saved if again is None else again)
             if n == first_decoder and self.shared is not None:  # the decoder's embedding, before the encoder
@@ -339,7 +340,8 @@ class _Step:
         # weights' casts die, then AccumulateGrad's fp32 copy is made and the half one dies (traced: qwen3-small
         # bf16: mm, the cast dL/dlogits and the head's cast freed, _to_copy, the mm's freed); a half model's
         # matmul makes the gradient itself, before those die
-        trained = [(i, g) for i, g in enumerate(self.groups) if (g.category == "head" or i == self.tied) and g.trainable]
+        trained = [(i, g) for i, g in enumerate(self.groups)
+                   if (g.category == "head" or i == self.tied) and g.trainable]
         halves = [self.sim.alloc(g.numel * HALF) for _, g in trained for _ in range(g.count)] if autocast else []
         if halves:
             self.sim.free(cast + head)
