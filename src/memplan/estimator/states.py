@@ -262,11 +262,17 @@ def _sharded(k: StatesKey, groups: tuple[ParamGroup, ...]):
                        accumulating=k.accumulating)
 
 
+def per_tensor_temps(rule, g, prec: Precision) -> float:
+    """fp32 copies of group g's tensor a per-parameter loop holds at once during its step (rules.OptimRule)."""
+    half = element_bytes(g, prec.param) < FP32
+    return rule.per_tensor_temp + (rule.half_param_temp if half else 0.0)
+
+
 def _step_temporaries(trainable, prec: Precision, rule) -> int:
     """The optimizer's temporaries during step(): foreach's whole-group temporaries, or the largest
     single tensor's for per-parameter loops (rules.OptimRule)."""
     if rule.per_tensor_temp:
-        return int(rule.per_tensor_temp * round_block(max((g.numel for g in trainable), default=0) * FP32))
+        return int(max((per_tensor_temps(rule, g, prec) * round_block(g.numel * FP32) for g in trainable), default=0))
     if rule.foreach_temp:
         return rounded(trainable, lambda g: g.numel * element_bytes(g, prec.param) * rule.foreach_temp)
     return 0

@@ -23,7 +23,7 @@ from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_s
                                        trained_blocks, tuned_params, under)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, OPTIMIZERS, PRECISIONS, Precision, optimizer_state_bytes
-from memplan.estimator.states import LINEAR_CATEGORIES, paged
+from memplan.estimator.states import LINEAR_CATEGORIES, paged, per_tensor_temps
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.trace import SAVED
 from memplan.inputs.workload import Workload
@@ -410,7 +410,8 @@ class _Step:
         if rule.per_tensor_temp:  # a Python loop: one tensor's temporaries at a time
             for g in trained:
                 for _ in range(g.count):
-                    self.sim.free([self.sim.alloc(g.numel * FP32) for _ in range(int(rule.per_tensor_temp))])
+                    self.sim.free([self.sim.alloc(g.numel * FP32)
+                                   for _ in range(int(per_tensor_temps(rule, g, self.prec)))])
         if rule.foreach_temp:  # foreach: the whole group's at once
             self.sim.free([self.sim.alloc(g.numel * element_bytes(g, self.prec.param) * rule.foreach_temp)
                            for g in trained for _ in range(g.count)])
