@@ -62,8 +62,7 @@ def from_build(trace: list[dict], start: int) -> int:
         elif e["action"] == "free_completed":
             a.free(keys.pop(e["addr"]))
         if i == start:
-            a._release_cached()
-            a.peak_reserved = a.reserved
+            a.empty_cache()
     return a.peak_reserved
 
 

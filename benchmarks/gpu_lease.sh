@@ -26,13 +26,16 @@ export PYTHONUNBUFFERED=1
 if [ "${1:-}" = wide ]; then
   exec timeout 370 python3 benchmarks/gpu_grid.py --grid wide --max-seconds 330 --out "$OUT/gpu_grid_wide"
 fi
+env_record() {  # the machine and the versions a lease ran with
+  { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
+transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+}
 profile() {  # model seq_len micro_batch precision
   timeout 50 python3 benchmarks/gpu_profile.py --model "$1" --seq-len "$2" --micro-batch "$3" --precision "$4" \
     --attn sdpa --out "$OUT/profile_$1.json"
 }
 if [ "${1:-}" = serve ]; then
-  { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
-transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+  env_record
   echo "== serving grid"
   timeout 270 python3 benchmarks/gpu_grid.py --grid serve --max-seconds 230 --out "$OUT/serve_grid"
   echo "== profiles"
@@ -42,8 +45,7 @@ transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
   exit 0
 fi
 if [ "${1:-}" = recheck ]; then
-  { nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } \
-    >"$OUT/env.txt" 2>&1
+  env_record
   exec timeout 540 python3 benchmarks/gpu_grid.py --grid serve --max-seconds 480 --out "$OUT/serve_grid"
 fi
 if [ "${1:-}" = profile ]; then
@@ -54,8 +56,7 @@ if [ "${1:-}" = profile ]; then
   done
   exit 0
 fi
-{ nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, torch.version.cuda,
-transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+env_record
 echo "== gpu_grid"
 timeout 330 python3 benchmarks/gpu_grid.py --max-seconds 270 --out "$OUT/gpu_grid"
 echo "== gpu_ops"

@@ -26,6 +26,9 @@ def _value(v: str):
 
 
 def main() -> int:
+    if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
+        print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("gpu_memory_history: no CUDA GPU is visible to torch", file=sys.stderr)
         return 2

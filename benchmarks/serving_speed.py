@@ -21,14 +21,16 @@ from memplan.api import resolve_gpu, resolve_spec
 from memplan.search import cost
 
 HERE = pathlib.Path(__file__).parent / "results" / "gpu_lease2"
-GRIDS = ("serve_grid.json", "serve_grid_2.json")
+# gpu_decode.py's runs: the prompt's forward gives one token, then 32 timed decode steps and 3 profiled ones
+DECODE_TOKENS = 1 + 32 + 3
+DECODE_GPU = "h200"  # decode.json's device, "NVIDIA H200"
 
 
 def grid_steps() -> list[dict]:
     """The serving grid's generate calls: the decode forwards' median, the whole call (prefill included)."""
     out = []
-    for name in GRIDS:
-        doc = json.loads((HERE / name).read_text())
+    for path in sorted(HERE.glob("serve_grid*.json")):
+        name, doc = path.name, json.loads(path.read_text())
         for r in doc["results"]:
             if r["returncode"] != 0 or not r["case"].get("max_new_tokens"):
                 continue
@@ -44,11 +46,16 @@ def grid_steps() -> list[dict]:
 def decode_steps() -> list[dict]:
     """gpu_decode.py's runs: 32 synchronised decode steps after a prompt, with cuDNN attention allowed or not."""
     doc = json.loads((HERE / "decode.json").read_text())
-    return [{"model": r["model"], "gpu": "h200", "cudnn": r["cudnn_sdp"], "step": r["step_median_s"], "call": None,
-             "case": dict(task="infer", seq_len=r["prompt"], micro_batch=r["micro_batch"], max_new_tokens=36,
-                          attn=r["attn"]),
+    return [{"model": r["model"], "gpu": DECODE_GPU, "cudnn": r["cudnn_sdp"], "step": r["step_median_s"],
+             "call": None, "case": dict(task="infer", seq_len=r["prompt"], micro_batch=r["micro_batch"],
+                                        max_new_tokens=DECODE_TOKENS, attn=r["attn"]),
              "label": f"decode.json {r['model']} b={r['micro_batch']} {r['attn']} cudnn={r['cudnn_sdp']}"}
             for r in doc["runs"]]
+
+
+def with_setup(run: dict) -> dict:
+    """The run with its (spec, gpu, workload, cuDNN graph builds per decode step), estimated once."""
+    return run | {"setup": _setup(run)}
 
 
 def _setup(run: dict):
@@ -60,7 +67,7 @@ def _setup(run: dict):
 
 
 def predicted_step(run: dict, launch_s: float | None = None, graph_s: float = cost.CUDNN_GRAPH_S) -> float:
-    spec, gpu, w, builds = _setup(run)
+    spec, gpu, w, builds = run["setup"]
     return cost.decode_step_seconds(spec, gpu, w, launch_s) + builds * graph_s
 
 
@@ -74,10 +81,10 @@ def solve_launch(run: dict) -> float:
 
 
 def fit(runs: list[dict]) -> tuple[float, float]:
-    plain = [r for r in runs if _setup(r)[3] == 0]
+    plain = [r for r in runs if r["setup"][3] == 0]
     launch = statistics.median(solve_launch(r) for r in plain)
-    built = [r for r in runs if _setup(r)[3] > 0]
-    graph = statistics.median((r["step"] - predicted_step(r, launch, 0.0)) / _setup(r)[3] for r in built)
+    built = [r for r in runs if r["setup"][3] > 0]
+    graph = statistics.median((r["step"] - predicted_step(r, launch, 0.0)) / r["setup"][3] for r in built)
     return launch, graph
 
 
@@ -103,7 +110,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true", help="print SERVING_LAUNCH_S and CUDNN_GRAPH_S fitted on the runs")
     args = ap.parse_args()
-    runs = grid_steps() + decode_steps()
+    runs = [with_setup(r) for r in grid_steps() + decode_steps()]
     if args.fit:
         launch, graph = fit(runs)
         print(f"SERVING_LAUNCH_S = {launch:.2e}  (search/cost.py: {cost.SERVING_LAUNCH_S:.2e})")

@@ -12,7 +12,7 @@ import click
 from memplan import __version__
 from memplan.errors import UserError
 from memplan.inputs import defaults
-from memplan.inputs.workload import METHOD_KNOBS
+from memplan.inputs.workload import METHOD_KNOBS, Workload
 
 MODEL_HELP = "catalog name (bert-large), hub id, or path to a config.json / model folder"
 GPU_HELP = "GPU profile name (v100-16g), alias (a100), 'auto', or a profile JSON file"
@@ -108,7 +108,7 @@ def method_options(search: bool):
 def generation_options(plan: bool = False):
     """Serving's generate options (`--task infer`), one definition for estimate, suggest and verify. plan: verify's,
     which default to the plan's (--plan) and so have no default of their own."""
-    defaults = {"max_new_tokens": 0, "beams": 1, "kv_cache": "dynamic"}
+    defaults = {k: Workload.model_fields[k].default for k in ("max_new_tokens", "beams", "kv_cache")}
     given = (lambda k: {}) if plan else (lambda k: {"default": defaults[k], "show_default": True})
     said = (lambda k: f" [default: {defaults[k]}]") if plan else (lambda k: "")
     opts = [
@@ -265,7 +265,8 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
         fsdp = fsdp or "none"
     s = api.suggest(model, gpu, head=head, trust_remote_code=trust_remote_code, task=task, seq_len=seq_len,
                     global_batch=batch_size, precision=precision, optim=optim, grad_ckpt=grad_ckpt, attn=attn,
-                    max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, momentum=_momentum(optim_args), headroom=headroom, zero_grad=zero_grad, top=top,
+                    max_new_tokens=max_new_tokens, beams=beams, kv_cache=kv_cache, momentum=_momentum(optim_args),
+                    headroom=headroom, zero_grad=zero_grad, top=top,
                     objective=objective, gpus=gpus, nodes=nodes, zero=zero, fsdp=fsdp, offload=offload, tp=tp, pp=pp, sp=sp,
                     vpp=vpp, cpu_mem=_cpu_mem(cpu_mem), net_gbs=net_gbs, kernels=kernels, tiled_mlp=tiled_mlp,
                     expandable_segments=expandable_segments, **tuning)

@@ -34,7 +34,8 @@ release is not modelled).
 Not modelled: ``roundup_power2_divisions``,
 ``max_split_size_mb`` (default unlimited, so the oversize-block rules never
 fire), ``garbage_collection_threshold``, memory fractions, multiple streams /
-``record_stream`` events, CUDA-graph private pools and ``empty_cache``. cudaMalloc addresses are modelled
+``record_stream`` events, CUDA-graph private pools and ``empty_cache`` but for the default allocator's
+(``CachingAllocator.empty_cache``). cudaMalloc addresses are modelled
 as increasing with each new segment; they only matter for tie-breaking.
 """
 from __future__ import annotations
@@ -236,6 +237,13 @@ class CachingAllocator:
         self._blocks[block.addr] = block
         self._last[small] = block
         return block
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache() for the default allocator: its wholly free segments go back to the device (the
+        expandable segments' unmapping is not modelled); the peaks restart from what is now reserved and allocated,
+        as after torch.cuda.reset_peak_memory_stats()."""
+        self._release_cached()
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     def _release_cached(self) -> None:
         """release_cached_blocks: every segment that is one free block (never split, or merged whole again) goes

@@ -177,14 +177,8 @@ class _Serve:
 
     def core(self, ops: list[tuple[int, int]]) -> tuple[int, int]:
         """Runs eager's core ops; returns (bytes, key) of the one tensor they leave alive."""
-        live: dict[int, tuple[int, int]] = {}
-        for slot, nbytes in ops:
-            if slot >= 0:
-                live[slot] = (nbytes, self.sim.alloc(nbytes))
-            else:
-                self.sim.free([live.pop(~slot)[1]])
-        (kept,) = live.values()
-        return kept
+        ((slot, key),) = self.sim.play(ops).items()
+        return dict(op for op in ops if op[0] >= 0)[slot], key
 
     def kv_moment(self, ws: dict[str, list[Tensors]], context: int) -> tuple[str, bool]:
         """Where a block's cache update runs: (the moment, True: between its frees and its makes; False: after it).

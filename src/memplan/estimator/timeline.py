@@ -117,6 +117,21 @@ class Events:
     def free(self, keys: list[int]) -> None:
         self.events.extend((key, -1) for key in keys)
 
+    def play(self, seq, on_marker=None) -> dict[int, int]:
+        """A sequence of storages in order: (n >= 0, bytes) makes storage n, (~n, 0) frees it, (SAVED - k, 0) is a
+        marker handed to `on_marker(k)` (traced sequences: where a saved tensor is born). Returns the storages left
+        alive, n -> key."""
+        live: dict[int, int] = {}
+        for n, nbytes in seq:
+            if n >= 0:
+                live[n] = self.alloc(nbytes)
+            elif n <= SAVED:
+                if on_marker is not None:
+                    on_marker(SAVED - n)
+            elif ~n in live:
+                self.free([live.pop(~n)])
+        return live
+
 
 class _Block(NamedTuple):
     """One block of the stack as the replay runs it."""
@@ -254,15 +269,11 @@ class _Step:
             seq, marks = [(n, b) for n, b in seq if n > SAVED], set()
         first_marked = min(marks, default=len(saved))
         keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k < first_marked}
-        live: dict[int, int] = {}
-        for n, nbytes in seq:
-            if n >= 0:
-                live[n] = self.sim.alloc(nbytes)
-            elif n <= SAVED:
-                keys[SAVED - n] = self.tensors([saved[SAVED - n]])
-            elif ~n in live:
-                self.sim.free([live.pop(~n)])
-        self.sim.free(list(live.values()))
+
+        def born(k: int) -> None:
+            keys[k] = self.tensors([saved[k]])
+
+        self.sim.free(list(self.sim.play(seq, born).values()))
         return keys | {k: self.tensors([t]) for k, t in enumerate(saved) if k > first_marked and k not in marks}
 
     def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
@@ -348,7 +359,7 @@ class _Step:
         for i, g in trained:
             if i == self.shared:  # the tied matrix's part from the head
                 self.matrix_part()
-            elif i != self.tied:
+            else:
                 self.grad(i, g.count)
         self.sim.free(halves if halves else cast + head)
 

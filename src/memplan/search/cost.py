@@ -544,9 +544,11 @@ SERVING_LAUNCH_S = 3.3e-05
 # (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention; TORCH_CUDNN_SDPA_DEPRIORITIZED=1
 # turns it off), and cuDNN builds an execution graph for each new key length (pytorch/pytorch PR 155958, which adds
 # an opt-in to avoid it). A DynamicCache grows the keys by one every decode step, so every full-attention layer
-# pays that host time every step: 2.9 ms a layer for Llama-3.2-1B, 5.5 ms for GPT-2 on the H200
-# (benchmarks/results/gpu_lease2/decode.json: 94.3 / 81.4 ms a step against 15.2 / 14.2 ms with cuDNN off). The
-# value is the median over the lease's SDPA decode steps (`python benchmarks/serving_speed.py --fit`).
+# pays that host time every step: the profiler put 2.9 ms (Llama-3.2-1B) and 5.5 ms (GPT-2) of host time in each
+# _cudnn_attention_forward on the H200, and the step grew by (94.3 - 15.2) / 16 = 4.9 and (81.4 - 14.2) / 12 = 5.6 ms
+# a layer (benchmarks/results/gpu_lease2/decode.json, cuDNN on and off). The value is the median over all the
+# lease's SDPA decode steps (`python benchmarks/serving_speed.py --fit`); whether the builds go per layer or per
+# distinct shape is open (docs/cost-model.md, "Not settled").
 CUDNN_GRAPH_S = 2.5e-03
 CUDNN_FIRST_MAJORS = (9, 10)
 
@@ -598,7 +600,9 @@ def inference_throughput(spec: ModelSpec, gpu: GPUProfile, w: Workload, working_
     forward is priced per operator as training's forward share (micro_seconds; the GEMMs' rooflines read the
     weights, so a decode step is bandwidth- or launch-bound), the prefill reads the no-grad working set once, a
     decode step's attention runs over the steps' mean context, and the KV cache the steps move (`decode_kv_bytes`:
-    estimator/inference.py decode_kv_traffic) at the achievable bandwidth. Every data-parallel replica serves its
+    estimator/inference.py decode_kv_traffic) at the achievable bandwidth. A decode step's kernels are no faster
+    than their host launch at SERVING_LAUNCH_S each (decode_step_seconds), and cuDNN's graph builds add
+    CUDNN_GRAPH_S each (cudnn_rebuilds). Every data-parallel replica serves its
     own batches. Rates: sequences per second; tokens per second of the prompts (scoring) or of the new tokens
     (generate)."""
     seq = spec.seq_positions if spec.arch == "vision" else w.seq_len
