@@ -430,16 +430,17 @@ def zero3_latency(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> float:
     return 3 * units * ring_latency(w.dp, nodes)
 
 
-# What a data-parallel step loses beyond its all-reduce's exposed bytes, as a share of one micro batch's compute, at
-# the step's gradient synchronisation (DDP, ZeRO-1/2; FSDP's per-unit collectives are priced by `_fsdp_comm`):
-# DDP's bucket copies, NCCL's kernels taking SMs and memory bandwidth from the backward they overlap, the slowest
-# rank setting the step. The published runs show it where the all-reduce alone cannot: DeepLearningExamples'
-# BERT SQuAD fine-tuning (no accumulation) keeps 0.70-0.96 of its one-GPU throughput per GPU on 8 V100s, in FP32
-# as in FP16, though the all-reduce at NVLink's bandwidth is 3-5 % of the step and overlaps the backward; its
-# pre-training, which synchronises once per many micro batches, keeps 0.95-0.99. Fitted by
-# `python benchmarks/throughput/compare.py` over a grid (docs/cost-model.md): loss 0.0243 at 0, 0.0212 at 0.05-0.07,
-# 0.0213 at 0.08-0.09, 0.0221 at 0.15.
-DP_STEP_SYNC = 0.07
+# What a data-parallel step loses beyond its collectives' exposed bytes, as a share of one micro batch's compute, at
+# the step's gradient synchronisation (DDP, every ZeRO stage, and FSDP, whose last reduce-scatter the optimizer step
+# waits for): DDP's bucket copies, NCCL's kernels taking SMs and memory bandwidth from the backward they overlap, the
+# slowest rank setting the step. The published runs show it where the collectives alone cannot: DeepLearningExamples'
+# BERT SQuAD fine-tuning (no accumulation) keeps 0.70-0.96 of its one-GPU throughput per GPU on 8 V100s, in FP32 as in
+# FP16, though the all-reduce at NVLink's bandwidth is 3-5 % of the step and overlaps the backward; its pre-training,
+# which synchronises once per many micro batches, keeps 0.95-0.99; llm-foundry's FSDP runs without accumulation read
+# 10-11 % below memplan's step without it, those with accumulation 1-6 %. Fitted alone by `python
+# benchmarks/throughput/compare.py` over a grid (docs/cost-model.md): loss 0.0172 at 0.05, 0.0162 at 0.07, 0.0156 at
+# 0.09, 0.0157 at 0.10, 0.0168 at 0.12.
+DP_STEP_SYNC = 0.09
 
 
 def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, trained, compute_micro):
@@ -469,7 +470,7 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     # module before it: the rest waits (zero3_overlap)
     f = _col([zero3_overlap(spec, w) for w in bases])
     z3_comm = 2 * ag * p_bytes + ag * g_bytes + _col([zero3_latency(spec, gpu, w) for w in bases])
-    z3 = m * ((1 - f) * z3_comm + np.maximum(f * z3_comm - compute_micro, 0.0))
+    z3 = m * ((1 - f) * z3_comm + np.maximum(f * z3_comm - compute_micro, 0.0)) + sync
     dp_comm = np.where(zero <= 1, z01, np.where(zero == 2, z2, z3))
     for i, w in enumerate(bases):
         if w.fsdp != "none":
@@ -480,12 +481,13 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
 def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro):
     """FSDP2: every micro batch all-gathers each unit in forward (and again in backward unless
     shard-grad-op kept it) and reduce-scatters its gradients, prefetched behind compute; hybrid shards
-    inside a node and all-reduces its gradient shard across nodes once per step."""
+    inside a node and all-reduces its gradient shard across nodes once per step; the step's synchronisation
+    (DP_STEP_SYNC) as under DDP."""
     n = w.gpus if w.fsdp == "hybrid-shard" else w.dp
     bw_n = group_bw(gpu, w, 1, n)
     gathers = 1 if w.fsdp == "shard-grad-op" else 2
     per = gathers * ring(n, 1.0, bw_n, "all-gather") * p_bytes + ring(n, 1.0, bw_n, "reduce-scatter") * g_bytes
-    out = m * np.maximum(per - compute_micro, 0.0)
+    out = m * np.maximum(per - compute_micro, 0.0) + DP_STEP_SYNC * compute_micro
     if w.fsdp == "hybrid-shard":
         out = out + ring(w.dp // n, 1.0, inter_node_gbs(gpu, w) * 1e9, "all-reduce") * g_bytes / n
     return out
