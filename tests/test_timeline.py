@@ -139,3 +139,26 @@ def test_the_replay_held_to_the_usable_memory_releases_cached_segments():
     assert any("releases its cached segments" in n for n in tight.notes)
     too_tight = memplan.estimate("llama-3.2-1b", "rtx4090-24g", headroom=0.5, **kw)
     assert not too_tight.fits and too_tight.peak_reserved_bytes == roomy.peak_reserved_bytes
+
+
+def test_gpt_oss_eager_core_runs_over_the_sink_column():
+    """GPT-OSS's eager attention concatenates a sink logit a head to its scores: the softmax it saves, the
+    concatenation and its max-subtracted copy are b x heads x s x (s + 1) in the residual stream's dtype (traced,
+    gpt-oss-small b2 s512 under bf16 autocast: 16,809,984-byte fp32 tensors). Against verify's simulation of that
+    traced step (accuracy.json), within 6 % in both allocator modes; without the column and the core's order the
+    default allocator's reserved was -10.4 %."""
+    from memplan.estimator.activation_arrays import ActsKey
+    row = next(r for r in json.loads((RESULTS / "accuracy.json").read_text())["results"]
+               if Path(r["case"]["model"]).stem == "gpt_oss-small" and r["case"].get("task") != "infer"
+               and (r["case"]["precision"], r["case"]["attn"], r["case"]["grad_ckpt"]) == ("bf16", "eager", "none"))
+    work = {k: v for k, v in row["case"].items() if k not in ("model", "fast", "device")}
+    spec = memplan.resolve_model(str(RESULTS.parents[2] / row["case"]["model"]))
+    e = memplan.estimate(spec, "a100-80g", **work)
+    am = ActsKey.of(spec, e.workload).model(2)
+    softmax = next(t for t in am.layer if t.name == "core: softmax output")
+    assert softmax.nbytes == 16_809_984
+    assert sorted(n for _, n in am.sequences["layer_forward"] if n > 0)[-2:] == [16_809_984] * 2
+    measured = {m["meter"]: m["measured_bytes"] for m in row["meters"]}
+    assert e.by_allocator["default"]["peak_reserved_bytes"] == pytest.approx(measured["peak_reserved"], rel=0.06)
+    assert e.by_allocator["expandable_segments"]["peak_reserved_bytes"] == pytest.approx(
+        measured["peak_reserved (expandable_segments)"], rel=0.06)

@@ -191,7 +191,7 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
             # alive, so the k and v it holds survive beside their copies (traced, GPT-2).
             out.append(Tensors("k, v before the cache copy (fused QKV)", p * k * d * Tkv, 2))
     if attn == "eager":
-        out += _eager_scores(spec, b * a * s_q * s_kv, prec, p)
+        out += _eager_scores(spec, b * a * s_q, s_kv, prec, p)
     else:
         # SDPA (flash / memory-efficient) and FlashAttention-2 save q, k, v, the output and the
         # log-sum-exp; GQA is native (enable_gqa) so k, v stay at k heads.
@@ -211,11 +211,13 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
     return [t for t in out if not is_core(t)] if selective else out
 
 
-def _eager_scores(spec: ModelSpec, scores: int, prec: Precision, p: int) -> list[Tensors]:
-    """What eager attention's core saves of its `scores` (b x a x s_q x s_kv) elements: the softmax output, Gemma 2's
-    soft-capping tanh, the dropout mask, and the PV matmul's input where it is not the softmax output itself."""
+def _eager_scores(spec: ModelSpec, rows: int, s_kv: int, prec: Precision, p: int) -> list[Tensors]:
+    """What eager attention's core saves of its scores (`rows` = b x a x s_q, by s_kv): the softmax output, Gemma 2's
+    soft-capping tanh, the dropout mask, and the PV matmul's input where it is not the softmax output itself.
+    GPT-OSS's softmax runs over one more column, the sink (sink_columns)."""
     sm = _softmax_bytes(spec, prec)
-    out = [Tensors("core: softmax output", sm * scores, kind=TensorKind.CORE)]
+    scores = rows * s_kv
+    out = [Tensors("core: softmax output", sm * rows * (s_kv + sink_columns(spec)), kind=TensorKind.CORE)]
     if spec.attn_logit_softcapping:
         # Gemma 2's eager core soft-caps the scores, tanh(scores / cap) * cap, before the mask (transformers
         # 5.24 models/gemma2/modeling_gemma2.py eager_attention_forward); tanh saves its output, in the
@@ -340,6 +342,13 @@ def query_is_view(prec: Precision) -> bool:
     so SDPA casts q, k and v and saves the casts, and the fused fp32 output dies with the forward (traced:
     GPT-2 QLoRA, benchmarks/accuracy/results/accuracy-qlora.md)."""
     return not prec.autocast or prec.act == HALF
+
+
+def sink_columns(spec: ModelSpec) -> int:
+    """Columns eager attention concatenates to its scores before the softmax: GPT-OSS's one learned sink logit a
+    head (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py eager_attention_forward, `torch.cat([attn_weights,
+    sinks], dim=-1)`; traced, gpt-oss-small b2 s512: 16,809,984-byte fp32 tensors, 2 x 8 x 512 x 513 x 4)."""
+    return 1 if family(spec.model_type).attention_sinks else 0
 
 
 def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
@@ -555,15 +564,15 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
 def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                     tiled_mlp: bool = False) -> list[Tensors]:
     """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
-    gradient it produces (eager attention: dP and dS over the s x s scores; else the MLP's dA, dB, or
-    the tiled MLP's recomputed chunk)."""
+    gradient it produces (eager attention: dP and dS over the s x s scores, GPT-OSS's with the sink column; else
+    the MLP's dA, dB, or the tiled MLP's recomputed chunk)."""
     T, p = b * s, prec.act
     f_tokens, f = (routed_rows(spec, T), spec.expert_width) if spec.is_moe else (T, spec.intermediate_size)
     mlp = [Tensors("mlp grad buffers", p * f * f_tokens, 2)]
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
-        scores = b * spec.num_heads * s * s
+        scores = b * spec.num_heads * s * (s + sink_columns(spec))
         sm = _softmax_bytes(spec, prec)
         att = [Tensors("attention grad buffers", sm * scores, 2)]
         return att if total(att) > total(mlp) else mlp
@@ -801,12 +810,15 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
       masked scores' name is rebound, so those die after it; otherwise they die first and the PV matmul casts
       (autocast) an encoder's dropout output, in the softmax's width, which lives to the block's end.
     The core's saved tensors (kind CORE: under GQA the expanded k and v first) and, behind a dropout output, the
-    block's later ones are markers into `layer`. GPT-OSS's own core (its sinks) has none: the replay makes its list
-    in order. FalconAttention's own core (traced, bf16: bmm, add, _softmax, _to_copy): the scores, scaled in place,
-    the mask added in the hidden states' dtype, the softmax output, then the masked and the raw scores die."""
+    block's later ones are markers into `layer`. FalconAttention's own core (traced, bf16: bmm, add, _softmax,
+    _to_copy): the scores, scaled in place, the mask added in the hidden states' dtype, the softmax output, then the
+    masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-small bf16 and bf16-pure: bmm, mul, bmm
+    freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add freed, the PV bmm, sub freed): the masked
+    scores, their concatenation with the sinks and its max-subtracted copy in the residual stream's dtype, the
+    softmax output; the masked scores die with their name, the subtracted ones when the function returns."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
-    if attn != "eager" or spec.is_mla or not core or fam.attention_sinks:
+    if attn != "eager" or spec.is_mla or not core:
         return {}
     p = HALF if prec.autocast else prec.act
     sm = _softmax_bytes(spec, prec)
@@ -814,6 +826,11 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     first = 1 if spec.num_heads != spec.num_kv_heads else 0  # repeat_kv's k and v (one entry), before the scores
     seq: list[tuple[int, float]] = [(SAVED - k, 0.0) for k in core[:first]]
     softmax, rest = [(SAVED - core[first], 0.0)], [(SAVED - k, 0.0) for k in core[first + 1:]]
+    if fam.attention_sinks:
+        r, joined = prec.residual, scores * (s + 1) / s
+        return {"layer_forward": seq + [(0, p * scores), (1, p * scores), (~0, 0.0), (2, r * scores), (~1, 0.0),
+                                        (3, r * joined), (4, r * joined), (~3, 0.0)] + softmax + rest
+                + [(~2, 0.0), (~4, 0.0)]}
     if fam.eager_score_tensors:
         return {"layer_forward": seq + [(0, p * scores), (1, prec.residual * scores)] + softmax
                 + [(~1, 0.0), (~0, 0.0)] + rest}
