@@ -810,7 +810,9 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
       masked scores' name is rebound, so those die after it; otherwise they die first and the PV matmul casts
       (autocast) an encoder's dropout output, in the softmax's width, which lives to the block's end.
     The core's saved tensors (kind CORE: under GQA the expanded k and v first) and, behind a dropout output, the
-    block's later ones are markers into `layer`. FalconAttention's own core (traced, bf16: bmm, add, _softmax,
+    block's later ones are markers into `layer`. Multi-head latent attention runs the same function (traced,
+    deepseek_v3-small bf16-pure: bmm, mul, bmm freed, add, mul freed, _to_copy, _softmax, the copy freed,
+    _to_copy, then the PV matmul's contiguous value copy, the core's last marker). FalconAttention's own core (traced, bf16: bmm, add, _softmax,
     _to_copy): the scores, scaled in place, the mask added in the hidden states' dtype, the softmax output, then the
     masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-small bf16 and bf16-pure: bmm, mul, bmm
     freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add freed, the PV bmm, sub freed): the masked
@@ -818,7 +820,7 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     softmax output; the masked scores die with their name, the subtracted ones when the function returns."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
-    if attn != "eager" or spec.is_mla or not core:
+    if attn != "eager" or not core:
         return {}
     p = HALF if prec.autocast else prec.act
     sm = _softmax_bytes(spec, prec)
