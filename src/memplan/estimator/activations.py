@@ -811,13 +811,14 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
       (autocast) an encoder's dropout output, in the softmax's width, which lives to the block's end.
     The core's saved tensors (kind CORE: under GQA the expanded k and v first) and, behind a dropout output, the
     block's later ones are markers into `layer`. Multi-head latent attention runs the same function (traced,
-    deepseek_v3-small bf16-pure: bmm, mul, bmm freed, add, mul freed, _to_copy, _softmax, the copy freed,
-    _to_copy, then the PV matmul's contiguous value copy, the core's last marker). FalconAttention's own core (traced, bf16: bmm, add, _softmax,
-    _to_copy): the scores, scaled in place, the mask added in the hidden states' dtype, the softmax output, then the
-    masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-small bf16 and bf16-pure: bmm, mul, bmm
-    freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add freed, the PV bmm, sub freed): the masked
-    scores, their concatenation with the sinks and its max-subtracted copy in the residual stream's dtype, the
-    softmax output; the masked scores die with their name, the subtracted ones when the function returns."""
+    deepseek_v3-small bf16-pure: bmm, mul, bmm freed, add, mul freed, _to_copy, _softmax, the copy freed, _to_copy,
+    then the PV matmul's contiguous value copy, the core's last marker). FalconAttention's own core (traced, bf16:
+    bmm, add, _softmax, _to_copy): the scores, scaled in place, the mask added in the hidden states' dtype, the
+    softmax output, then the masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-small bf16 and
+    bf16-pure: bmm, mul, bmm freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add freed, the PV
+    bmm, sub freed): the masked scores, their concatenation with the sinks and its max-subtracted copy in the
+    residual stream's dtype, the softmax output; the masked scores die with their name, the subtracted ones when the
+    function returns."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
     if attn != "eager" or not core:
