@@ -116,11 +116,12 @@ def _half_model(fw, kw) -> bool:
     """Megatron's fp16 training wraps the model in half (megatron/fp16/fp16.py FP16_Module, `module.half()`, in 2020;
     megatron/model/module.py Float16Module later: parameters, activations and the residual stream in fp16, the
     softmax fused) and keeps fp32 main parameters in its optimizer (FP16_Optimizer). memplan's fp16 half model is
-    DeepSpeed's engine: any ZeRO stage (states.half_model); ZeRO-1 at one data-parallel rank shards nothing (the
-    V100 rows are all at one rank; at several it would shard the step, as Megatron's later distributed optimizer
-    does, not its 2020 FP16_Optimizer). Without it, fp16 is the HF Trainer's autocast
-    over an fp32 model: fp32 scores and residual stream, which priced the 2020 V100 rows 22 to 47 % slow."""
-    return (fw["half"] == "pure" and kw["precision"] == "fp16" and kw["pp"] == 1
+    DeepSpeed's engine: any ZeRO stage (states.half_model); ZeRO-1 at one data-parallel rank shards nothing, so
+    only such runs take it (at several ranks it would shard the step, as Megatron's later distributed optimizer
+    does, not its 2020 FP16_Optimizer; the V100 rows are all at one rank). Without it, fp16 is the HF Trainer's
+    autocast over an fp32 model: fp32 scores and residual stream, which priced the 2020 V100 rows 22 to 47 % slow."""
+    dp = kw["gpus"] * kw["nodes"] // (kw["tp"] * kw["pp"])
+    return (fw["half"] == "pure" and kw["precision"] == "fp16" and kw["pp"] == 1 and dp == 1
             and "zero" not in kw and "fsdp" not in kw)
 
 
