@@ -26,6 +26,31 @@ def v100():
     return memplan.load_gpu("v100-16g")
 
 
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """Imports a script under benchmarks/ by its path (`benchmark_module("throughput/compare.py")`), with its folder
+    on sys.path only while it imports (a script may import its neighbours, as published.py does cli_suggest), so no
+    test leaves the benchmarks' folders on the path of the tests after it."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(relative: str):
+        path = root / relative
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+        return module
+
+    return load
+
+
 @pytest.fixture()
 def memplan_cli(capsys):
     """`memplan ARGS` in this process (what `python -m memplan` runs, without a fresh interpreter that

@@ -311,18 +311,13 @@ def test_held_to_a_capacity_it_releases_wholly_free_segments_before_running_out(
     assert (roomy.peak_reserved, held.peak_reserved, held.oom) == (120 * MiB, 80 * MiB, False)
 
 
-def test_the_simulation_is_torchs_allocator_on_a_recorded_run():
+def test_the_simulation_is_torchs_allocator_on_a_recorded_run(benchmark_module):
     """Fed the CUDA caching allocator's own record of a real run (torch 2.11, H200: Llama-3.2-1B eager serving,
     benchmarks/gpu_memory_history.py) from the model's build on, with verify's empty_cache releasing the wholly
     free segments, the simulation's peak reserved is the record's to the byte: 4,660 MiB. With the weights packed
     (as the estimate assumes) the same step reserves 4,046 MiB: the 614 MiB between was left by building the
     weights in fp32 and casting them (verify now builds them in their dtype on the GPU)."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    import allocator_history as ah
-
+    ah = benchmark_module("allocator_history.py")
     doc = ah.load(ah.HERE / "hist_eager.pkl.gz")
     trace = doc["device_traces"][0]
     start = ah.step_start(trace)

@@ -326,13 +326,7 @@ def test_verify_refuses_multi_gpu_plans(tmp_path):
         run(model=None, gpu=None, plan_file=str(plan), device="fake", steps=2)
 
 
-def test_cost_model_reproduces_published_findings():
+def test_cost_model_reproduces_published_findings(benchmark_module):
     """benchmarks/published.py: Narayanan et al. 2021's layout findings hold in memplan's ranking."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "benchmarks"))
-    from published import findings
-
-    for name, r in findings().items():
+    for name, r in benchmark_module("published.py").findings().items():
         assert r["holds"], (name, r["memplan"])

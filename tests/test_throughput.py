@@ -3,7 +3,6 @@
 
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "throughput"
 
 
 @pytest.fixture(scope="module")
-def compared():
-    sys.path.insert(0, str(BENCH))
-    import compare
+def compared(benchmark_module):
+    compare = benchmark_module("throughput/compare.py")
 
     runs = json.loads((BENCH / "published_runs.json").read_text())
     rows, skipped = compare.evaluate(runs)
