@@ -179,11 +179,9 @@ SELECTIVE_FUNCTIONS: dict[str, Callable] = {PREFIX + b: _make_selective(b) for b
 
 
 def _register() -> None:
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    except ImportError as e:  # transformers < 4.48 has no attention interface
-        raise ValueError(f"selective recomputation needs transformers' AttentionInterface: {e}") from None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
     for name, fn in SELECTIVE_FUNCTIONS.items():
         if AttentionInterface._global_mapping.get(name) is not fn:
             AttentionInterface.register(name, fn)

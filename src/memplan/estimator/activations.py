@@ -812,13 +812,13 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     The core's saved tensors (kind CORE: under GQA the expanded k and v first) and, behind a dropout output, the
     block's later ones are markers into `layer`. Multi-head latent attention runs the same function (traced,
     deepseek_v3-small bf16-pure: bmm, mul, bmm freed, add, mul freed, _to_copy, _softmax, the copy freed, _to_copy,
-    then the PV matmul's contiguous value copy, the core's last marker). FalconAttention's own core (traced, bf16:
-    bmm, add, _softmax, _to_copy): the scores, scaled in place, the mask added in the hidden states' dtype, the
-    softmax output, then the masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-small bf16 and
-    bf16-pure: bmm, mul, bmm freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add freed, the PV
-    bmm, sub freed): the masked scores, their concatenation with the sinks and its max-subtracted copy in the
-    residual stream's dtype, the softmax output; the masked scores die with their name, the subtracted ones when the
-    function returns."""
+    add freed, then the PV matmul's contiguous value copy, the core's last marker). FalconAttention's own core
+    (traced, bf16: bmm, add, _softmax, _to_copy): the scores, scaled in place, the mask added in the hidden states'
+    dtype, the softmax output, then the masked and the raw scores die. GPT-OSS's (sink_columns; traced, gpt-oss-
+    small bf16 and bf16-pure: bmm, mul, bmm freed, add, mul freed, cat, sub, cat freed, _softmax, [_to_copy], add
+    freed, the PV bmm, the context's clone, sub freed): the masked scores, their concatenation with the sinks and
+    its max-subtracted copy in the residual stream's dtype, the softmax output; the masked scores die with their
+    name, the subtracted ones when the function returns, after the context."""
     fam = family(spec.model_type)
     core = [k for k, t in enumerate(layer) if is_core(t)]
     if attn != "eager" or not core:
@@ -826,14 +826,17 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     p = HALF if prec.autocast else prec.act
     sm = _softmax_bytes(spec, prec)
     scores = b * spec.num_heads * s * s / tp
-    first = 1 if spec.num_heads != spec.num_kv_heads else 0  # repeat_kv's k and v (one entry), before the scores
+    # repeat_kv's k and v (one entry), before the scores; MLA decompresses k and v at every head (no such entry)
+    first = 1 if spec.num_heads != spec.num_kv_heads and not spec.is_mla else 0
     seq: list[tuple[int, float]] = [(SAVED - k, 0.0) for k in core[:first]]
     softmax, rest = [(SAVED - core[first], 0.0)], [(SAVED - k, 0.0) for k in core[first + 1:]]
     if fam.attention_sinks:
         r, joined = prec.residual, scores * (s + 1) / s
+        # the context (the o_proj input, the list's entry after the core) is made before the function returns
+        context = [(SAVED - (core[-1] + 1), 0.0)] if core[-1] + 1 < len(layer) else []
         return {"layer_forward": seq + [(0, p * scores), (1, p * scores), (~0, 0.0), (2, r * scores), (~1, 0.0),
                                         (3, r * joined), (4, r * joined), (~3, 0.0)] + softmax + rest
-                + [(~2, 0.0), (~4, 0.0)]}
+                + [(~2, 0.0)] + context + [(~4, 0.0)]}
     if fam.eager_score_tensors:
         return {"layer_forward": seq + [(0, p * scores), (1, prec.residual * scores)] + softmax
                 + [(~1, 0.0), (~0, 0.0)] + rest}
@@ -845,7 +848,10 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     seq += ([(3, FP32 * scores)] if copy else []) + softmax + ([(~3, 0.0)] if copy else [])
     half_query = p == HALF and not (prec.autocast and rotary_in_stream_dtype(spec))
     if decoder and half_query:
-        return {"layer_forward": seq + rest + [(~scores_at, 0.0)]}
+        # the masked scores die as their name is rebound to the probabilities, before the PV matmul copies MLA's
+        # strided value (the core's last entry there)
+        value = rest[-1:] if spec.is_mla else []
+        return {"layer_forward": seq + rest[:len(rest) - len(value)] + [(~scores_at, 0.0)] + value}
     seq += [(~scores_at, 0.0)]
     if not decoder and spec.attention_dropout > 0 and sm != p:
         later = [(SAVED - k, 0.0) for k in range(core[-1] + 1, len(layer))]
