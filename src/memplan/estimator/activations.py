@@ -1144,6 +1144,10 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         widths = [p] + [r] * (own - 1) if own else [m] + ([FP32] * (sm // FP32) if fp32_softmax else [sm])
         core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv,
                         kind=TensorKind.CORE) for width in widths]
+        if family(spec.model_type).attention_sinks:  # GPT-OSS: the masked scores, then cat - max and softmax
+            core = [Tensors("masked scores", r * b * a * s * s_kv, kind=TensorKind.CORE),
+                    Tensors("scores with the sink, less their max; softmax", r * b * a * s * (s_kv + 1), 2,
+                            kind=TensorKind.CORE)]
     else:
         core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
     out = {"attention": stream + qkv_ts + core}

@@ -5,11 +5,11 @@
   (model.parameters(): module registration order), at the bytes bitsandbytes stores where it converts them;
 - the prompts' token ids;
 - the prefill: the embedding output and what every layer reads (RoPE's tables, masks) before the blocks; in each
-  block its live tensors moment by moment (activations.inference_working_set's, in MOMENTS' order: the step from
-  one moment's set to the next frees what the next does not hold and makes what it adds; a decoder's eager core
-  op by op, activations.inference_eager_core), its KV cache made where
-  RoPE has run (without RoPE after the attention moment), autocast's cached weight copies made as the block's
-  projections first read them; then the head's final norm, logits and generate's fp32 copy of them;
+  block its live tensors moment by moment (activations.inference_working_set's, in timeline.MOMENTS' order: the step
+  from one moment's set to the next frees what the next does not hold and makes what it adds; a decoder's eager core
+  op by op, activations.inference_eager_core), its KV cache made where RoPE has run (without RoPE after the
+  attention moment), autocast's cached weight copies made as the block's projections first read them; then the
+  head's final norm, logits and generate's fp32 copy of them;
 - each decode step the same at one token a sequence, each layer's cache grown by torch.cat (transformers 5.24
   DynamicLayer.update: the grown keys made and the old freed, then the values; a sliding layer makes both before
   it frees either). Past DECODE_BLOCK_PASSES the decode steps are replayed in even strides that end at the last
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, is_core
+from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set
 from memplan.estimator.families import family
 from memplan.estimator.finetune import in_decoder
 from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
@@ -34,7 +34,7 @@ from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_wind
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
-from memplan.estimator.timeline import Events, spread
+from memplan.estimator.timeline import Events, spread, walk_no_grad_block
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -46,9 +46,6 @@ from memplan.inputs.workload import Workload
 DECODE_BLOCK_PASSES = 1024
 MIN_DECODE_STEPS = 16
 INT64 = 8  # token ids
-# the moments of a block, in the order its forward reaches them (its first norm, RoPE, eager's scores before their
-# mask, the attention core, the second norm, then the MLP)
-MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp")
 # the moments whose projections read weights: autocast casts a block's as the first of them starts
 CAST_BEFORE = ("rotary", "scores", "attention", "mlp")
 # the weights autocast casts as the attention reads them; the rest of a block's (MLP, experts, router) before its MLP
@@ -149,36 +146,21 @@ class _Serve:
 
     def block(self, b: int, groups: list[tuple[ParamGroup, int]], ws: dict[str, list[Tensors]],
               core: list[tuple[int, int]], stream: int, context: int) -> int:
-        """One block's forward; returns its output's key. The block's own tensors are a moment's set less what every
-        layer reads (ws["around"]) and the two residual-stream tensors held across blocks (the embedding output
-        and the block's input). Where eager's core has an order (core: activations.inference_eager_core), the
-        attention moment's other tensors are reached first and the core runs in that order."""
-        local: list[tuple[int, int]] = []  # (bytes, key) of the block's live tensors
+        """One block's forward (timeline.walk_no_grad_block); returns its output's key. Autocast casts a block's
+        weights as its projections first read them (CAST_BEFORE), its cache updates where kv_moment says."""
         cast: set[bool] = set()  # whose casts are made: the attention's (True), the rest's (False)
-        kv_at = self.kv_moment(ws, context)
-        for moment in MOMENTS:
-            if moment not in ws:
-                continue
+
+        def before(moment: str) -> None:
             attention = moment != "mlp"
-            if moment in CAST_BEFORE and attention not in cast:  # as the projections first read them
+            if moment in CAST_BEFORE and attention not in cast:
                 self.layer_casts(groups, attention)
                 cast.add(attention)
-            ordered = bool(core) and moment == "attention"
-            target = [t for t in ws[moment] if not (ordered and is_core(t))]
-            local = self.reach(local, _own(target, ws["around"], stream),
-                               (lambda: self.kv(b, context)) if kv_at == (moment, True) else None)
-            if ordered:
-                local.append(self.core(core))
-            if kv_at == (moment, False):
-                self.kv(b, context)
+
+        local = walk_no_grad_block(self.sim, ws, core, stream, before, self.kv_moment(ws, context),
+                                   lambda: self.kv(b, context))
         out = self.sim.alloc(stream)
         self.sim.free([key for _, key in local])
         return out
-
-    def core(self, ops: list[tuple[int, int]]) -> tuple[int, int]:
-        """Runs eager's core ops; returns (bytes, key) of the one tensor they leave alive."""
-        ((slot, key),) = self.sim.play(ops).items()
-        return dict(op for op in ops if op[0] >= 0)[slot], key
 
     def kv_moment(self, ws: dict[str, list[Tensors]], context: int) -> tuple[str, bool]:
         """Where a block's cache update runs: (the moment, True: between its frees and its makes; False: after it).
@@ -191,22 +173,6 @@ class _Serve:
         if self.k.static and not context:
             return ("scores" if "scores" in ws else "attention"), True
         return "rotary", False
-
-    def reach(self, live: list[tuple[int, int]], target: list[int], between=None) -> list[tuple[int, int]]:
-        """From the live tensors to the moment's: those of a size it holds stay, the others are freed, then
-        (after `between`, when given) the missing ones are made, in the moment's list order."""
-        want = list(target)
-        kept, gone = [], []
-        for nbytes, key in live:
-            if nbytes in want:
-                want.remove(nbytes)
-                kept.append((nbytes, key))
-            else:
-                gone.append(key)
-        self.sim.free(gone)
-        if between is not None:
-            between()
-        return kept + [(n, self.sim.alloc(n)) for n in want]
 
     def kv(self, b: int, context: int) -> None:
         """Block b's cache update (transformers 5.24 cache_utils.py): the prefill makes its key and value
@@ -274,16 +240,6 @@ class _Serve:
         if not (self.autocast and tied_head(self.spec)):
             return []
         return [self.sim.alloc(self.spec.vocab_size * self.spec.hidden_size * HALF)]
-
-
-def _own(moment: list[Tensors], around: list[Tensors], stream: int) -> list[int]:
-    """A block's own tensors at a moment, as sizes: the moment's set less what every layer reads (its first
-    entries) and two residual-stream tensors (the embedding output and the block's input, held across blocks)."""
-    sizes = [int(t.nbytes) for t in moment[len(around):] for _ in range(t.count)]
-    for _ in range(2):
-        if stream in sizes:
-            sizes.remove(stream)
-    return sizes
 
 
 def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:

@@ -16,7 +16,8 @@ from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from memplan.estimator.activation_arrays import ActsKey
-from memplan.estimator.activations import ActivationModel, Tensors, TensorKind, expert_loop
+from memplan.estimator.activations import (ActivationModel, Tensors, TensorKind, expert_loop, inference_eager_core,
+                                           inference_working_set, is_core)
 from memplan.estimator.allocator import simulate
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
@@ -133,6 +134,65 @@ class Events:
         return live
 
 
+# A block's forward without autograd, moment by moment: the serving replay's prefill and decode steps
+# (serving_timeline.py) and full checkpointing's first forward (_Step.forward) walk it. The moments of a block, in
+# the order its forward reaches them (its first norm, RoPE, eager's scores before their mask, the attention core,
+# the second norm, then the MLP); their live tensors are activations.inference_working_set's.
+MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp")
+
+
+def own_sizes(moment: list[Tensors], around: list[Tensors], stream: int) -> list[int]:
+    """A block's own tensors at a moment, as sizes: the moment's set less what every layer reads (its first
+    entries) and two residual-stream tensors (the embedding output and the block's input, held across blocks)."""
+    sizes = [int(t.nbytes) for t in moment[len(around):] for _ in range(t.count)]
+    for _ in range(2):
+        if stream in sizes:
+            sizes.remove(stream)
+    return sizes
+
+
+def reach(sim: Events, live: list[tuple[int, int]], target: list[int], between=None) -> list[tuple[int, int]]:
+    """From the live (bytes, key) tensors to a moment's sizes: those of a size it holds stay, the others are freed,
+    then (after `between`, when given) the missing ones are made, in the moment's list order."""
+    want = list(target)
+    kept, gone = [], []
+    for nbytes, key in live:
+        if nbytes in want:
+            want.remove(nbytes)
+            kept.append((nbytes, key))
+        else:
+            gone.append(key)
+    sim.free(gone)
+    if between is not None:
+        between()
+    return kept + [(n, sim.alloc(n)) for n in want]
+
+
+def walk_no_grad_block(sim: Events, ws: dict[str, list[Tensors]], core: list[tuple[int, int]], stream: int,
+                       before=None, kv_at: tuple[str, bool] | None = None, kv=None) -> list[tuple[int, int]]:
+    """One block's forward without autograd through MOMENTS; returns its (bytes, key) tensors alive at its end (the
+    caller makes the block's output, then frees them). Where eager's core has an order (core:
+    activations.inference_eager_core), the attention moment's other tensors are reached first and the core runs in
+    that order, leaving the probabilities the layer keeps. before(moment): called as a moment starts (the serving
+    replay's autocast casts); kv: the cache update, at kv_at (the moment, True: between its frees and its makes;
+    False: after it)."""
+    local: list[tuple[int, int]] = []
+    for moment in MOMENTS:
+        if moment not in ws:
+            continue
+        if before is not None:
+            before(moment)
+        ordered = bool(core) and moment == "attention"
+        target = [t for t in ws[moment] if not (ordered and is_core(t))]
+        local = reach(sim, local, own_sizes(target, ws["around"], stream), kv if kv_at == (moment, True) else None)
+        if ordered:
+            ((slot, key),) = sim.play(core).items()
+            local.append((dict(op for op in core if op[0] >= 0)[slot], key))
+        if kv_at == (moment, False):
+            kv()
+    return local
+
+
 class _Block(NamedTuple):
     """One block of the stack as the replay runs it."""
 
@@ -207,6 +267,23 @@ class _Step:
             self.shared = None
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
         self.parts = 0
+        self.no_grad = self.no_grad_walk() if k.grad_ckpt == "full" else None
+
+    def no_grad_walk(self) -> tuple[dict[str, list[Tensors]], list[tuple[int, int]], int] | None:
+        """Full checkpointing's first forward of a decoder block saves nothing, so its tensors live and die as a
+        prefill's do: walk_no_grad_block's arguments (inference_working_set's moments at the step's widths, eager's
+        ordered core, the residual stream's bytes). None where the block's list in order stands in: a traced
+        model's sequence (traced under checkpointing), encoders, adapters and frozen blocks, memplan's kernels.
+        The list kept every tensor of the block to its end: off the suite (accuracy-offsuite.json), GPT-2 fp32
+        eager b3 s1024 was -9.95 % and OPT-350M -8.6 %, and Qwen3-small bf16-pure eager +7.4 % in it."""
+        a = self.k.acts
+        if self.traced or self.spec.arch != "decoder" or self.k.tuning.method != "full" or a.kernels or a.tiled_mlp:
+            return None
+        prec = PRECISIONS[a.precision]
+        p, r, attn = (HALF if prec.autocast else prec.act), prec.residual, "eager" if a.eager else "sdpa"
+        b, s = self.k.micro_batch, a.seq
+        ws = inference_working_set(self.spec, b, s, p, r, attn, full_logits=True)
+        return ws, inference_eager_core(self.spec, b, s, p, r, attn, 0), r * self.spec.hidden_size * b * s
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
         return [self.sim.alloc(t.nbytes) for t in ts for _ in range(t.count)]
@@ -287,6 +364,11 @@ class _Step:
         layer_list = block.saved is self.am.layer  # the sequence's markers name the layer list's tensors
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
             cached += casts
+            if self.no_grad is not None:  # a decoder block's no-grad forward, as a prefill runs it
+                local = walk_no_grad_block(self.sim, *self.no_grad)
+                out = self.tensors(self.am.layer_input)
+                self.sim.free([key for _, key in local])
+                return out
             self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list)))
             return self.tensors(self.am.layer_input)
         return casts + _flat(self.ordered("layer_forward", block.saved, layer_list))
