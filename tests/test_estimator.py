@@ -67,10 +67,11 @@ def test_the_hf_docs_v100_readings():
 def test_the_h200_runs_reserved():
     """The lent H200's 38 runs (benchmarks/results/gpu_lease/gpu_grid*.json, torch 2.11, both allocator modes)
     against this tree's peak reserved (`python benchmarks/gpu_grid.py --summary ... --reserved-now`): a median
-    within 2 % (0.6 % when written). Two runs of the default allocator are off by one segment of the LM loss's
-    size, the allocator's chaotic case (docs/estimator.md): Llama-3.2-1B b8 s1024 with full recompute (-10.3 %,
-    a sixth 4 GiB segment the run made) and Qwen3-0.6B b8 s2048 with selective recompute (+12.5 %, one 9.3 GiB
-    segment the run did not make); each of the others is within 5 %."""
+    within 2 % (0.8 % when written). One run of the default allocator is off by one segment of the LM loss's size,
+    the allocator's chaotic case (docs/estimator.md): Qwen3-0.6B b8 s2048 with selective recompute (+12.5 %, one
+    9.3 GiB segment the run did not make); each of the others is within 5 % (Llama-3.2-1B b8 s1024 with full
+    recompute was -10.3 %, a sixth 4 GiB segment the run made, until full checkpointing's first forward was
+    replayed as a prefill: +0.1 %)."""
     import importlib.util
     import statistics
     from pathlib import Path
@@ -84,7 +85,7 @@ def test_the_h200_runs_reserved():
     assert len(errs) == 38 and all(r["reserved_from"] == "replay" for r in rows)
     assert statistics.median(map(abs, errs.values())) < 0.02
     chaotic = {k: e for k, e in errs.items() if abs(e) > 0.05}
-    assert {k[0].split()[0] for k in chaotic} <= {"llama-3.2-1b", "qwen3-0.6b"} and len(chaotic) <= 2, chaotic
+    assert {k[0].split()[0] for k in chaotic} <= {"qwen3-0.6b"} and len(chaotic) <= 1, chaotic
     assert all(abs(e) < 0.13 for e in chaotic.values()) and not any(k[1] for k in chaotic)
 
 
