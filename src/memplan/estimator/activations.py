@@ -353,7 +353,11 @@ def sink_columns(spec: ModelSpec) -> int:
 
 def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
     """Width of eager attention's softmax output: fp32 under autocast (softmax is on its fp32 list), in an
-    fp32 model, and where the family's softmax up-casts; else the compute dtype."""
+    fp32 model, and where the family's softmax up-casts; else the compute dtype. GPT-OSS passes the dtype
+    (`softmax(combined_logits, dtype=combined_logits.dtype)`), which autocast keeps: the residual stream's, the
+    mask's sum's (bf16 over a half LoRA base under autocast, fp32 over an fp32 model)."""
+    if family(spec.model_type).attention_sinks:
+        return prec.residual
     fp32 = prec.autocast or family(spec.model_type).softmax_fp32 or prec.act == FP32
     return FP32 if fp32 else prec.act
 
@@ -411,10 +415,11 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
         experts.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed,
                                extra))
     experts.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
-    if prec.autocast and biased_experts(spec):
+    if prec.autocast and prec.param == FP32 and biased_experts(spec):
         # GptOssExperts adds an fp32 bias to each expert matmul's half output (current_state @ W[e] + bias[e]),
         # which promotes gate_up (2f) and the down output (h) to fp32: the saved gate_up halves and the weighted
-        # output's input are twice the half width counted above (traced, CPU: 12 MiB of gpt-oss-small's 384)
+        # output's input are twice the half width counted above (traced, CPU: 12 MiB of gpt-oss-small's 384); over a
+        # half base (LoRA) the bias is half and promotes nothing
         experts.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act)
                                * (2 * spec.expert_width + h) * routed, rep=True))
     out += experts if not expert_loop(spec, prec) else [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
