@@ -23,7 +23,7 @@ from pydantic import AfterValidator
 
 from memplan.errors import UserError
 from memplan.estimator.families import (
-    full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
+    family, full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
 )
 from memplan.estimator.finetune import (
     ALL_LINEAR, default_targets, has_module, linear_names, load_dtype, matches, stack_blocks,
@@ -408,6 +408,14 @@ TABLE: tuple[Constraint, ...] = (
                                                    if w.tp > 1 else f"--method {w.method}" if w.method != "full"
                                                    else "--grad-ckpt selective"),
        {"grad_ckpt": "selective"}, model=TRACED_EXAMPLE),
+    # memplan.selective recomputes the attention core through transformers' attention interface
+    # (AttentionInterface), which a family with its own attention code does not call (families.Family.selective)
+    _c("selective-family", "model", "grad_ckpt",
+       lambda w, m, g: w.grad_ckpt == "selective" and not m.traced_config and not family(m.model_type).selective,
+       lambda w, m, g: f"--grad-ckpt selective recomputes the attention core through transformers' attention "
+                       f"interface, which {m.model_type} does not use; the families that do: "
+                       f"{', '.join(model_types(lambda f: f.selective))}",
+       {"grad_ckpt": "selective"}, model="falcon-7b"),
     _c("generation-needs-decoder", "model", "max_new_tokens",
        lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
        lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",
