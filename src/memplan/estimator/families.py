@@ -149,6 +149,12 @@ _ROTARY_GATED = dict(_DECODER, mlp="gated", norm="rmsnorm", position="rotary", s
 # memplan.kernels' full support: fused causal-LM loss on the base model `model`, tiled MLP, tiled attention
 _KERNELS = dict(fused_loss_causal_base="model", tiled_mlp=True, memplan_attention=True)
 _QV = ("q_proj", "v_proj")  # PEFT's default LoRA targets for most decoders
+# transformers 5 maps these model types to qwen2_moe's conversion pattern (conversion_mapping.py
+# _MODEL_TO_CONVERSION_PATTERN), and PEFT 0.21 renames their v4 targets to the fused tensors
+# (transformers_weight_conversion.py _MOE_TARGET_MODULE_MAPPING["qwen2_moe"]); the names leave target_modules, so a
+# dense layer's or a shared expert's nn.Linear of those names is adapted no more (finetune.adapted; traced:
+# glm4_moe-small all-linear adapts q, k, v, o, the router and the experts, 610,560 parameters at r 16)
+_QWEN2_MOE_LORA = (("gate", "router"), ("gate_proj", "gate_up"), ("up_proj", "gate_up"), ("down_proj", "down"))
 
 FAMILIES: dict[str, Family] = {
     # BertOutput ends the feed-forward with its LayerNorm, inside the tiled region (BertLayer.feed_forward_chunk);
@@ -211,7 +217,8 @@ FAMILIES: dict[str, Family] = {
     # Glm4MoeMoE: DeepSeek-V3's MoE (sigmoid router in fp32 with group-limited top-k, a shared expert,
     # first_k_dense_replace dense layers) under llama-style attention with partial rotary (and an optional per-head
     # q/k norm, off in GLM-4.5). PEFT 0.21 has no default LoRA targets for glm4_moe
-    "glm4_moe": Family(**_ROTARY_GATED, moe_router_fp32=True, fused_loss_causal_base="model"),
+    "glm4_moe": Family(**_ROTARY_GATED, moe_router_fp32=True, fused_loss_causal_base="model",
+                       lora_fused_experts=_QWEN2_MOE_LORA),
     # GptOssDecoderLayer: attention sinks (one learned logit per head, concatenated to the scores) in eager only
     # (no _supports_sdpa; its flash path needs the kernels hub), alternating sliding and full layers, biased
     # projections, fused experts with a clamped SwiGLU, top-k then softmax routing. PEFT 0.21 has no default
@@ -224,7 +231,8 @@ FAMILIES: dict[str, Family] = {
     # Qwen3MoeSparseMoeBlock: Mixtral's top-k softmax router (norm_topk_prob) over transformers 5's fused experts
     # (Qwen3MoeExperts), experts moe_intermediate_size wide, dense layers at mlp_only_layers / decoder_sparse_step;
     # qwen3's attention with per-head q/k norms. PEFT 0.21 has no default LoRA targets for qwen3_moe
-    "qwen3_moe": Family(**_ROTARY_GATED, z3_leaf="mlp", qk_norm="head", fused_loss_causal_base="model", memplan_attention=True),
+    "qwen3_moe": Family(**_ROTARY_GATED, z3_leaf="mlp", qk_norm="head", fused_loss_causal_base="model",
+                        memplan_attention=True, lora_fused_experts=_QWEN2_MOE_LORA),
     # Qwen3Attention: q_norm / k_norm over head_dim before RoPE, no qkv bias; otherwise llama's layer
     "qwen3": Family(**_ROTARY_GATED, lora_targets=_QV, qk_norm="head", **_KERNELS),
     # Olmo2DecoderLayer: no input norm; post_attention_layernorm after the attention and post_feedforward_layernorm
@@ -271,7 +279,7 @@ FAMILIES: dict[str, Family] = {
     # (integrations/flash_attention.py), which memplan does not model, and memplan's flash (SDPA's flash kernel)
     # needs one head width for q, k and v, so it is left out; SDPA runs the memory-efficient kernel.
     "deepseek_v3": Family(moe_router_fp32=True, **_ROTARY_GATED, qkv_linears=2, fused_loss_causal_base="model", tiled_mlp=True,
-                          attn_unsupported=("flash",)),
+                          attn_unsupported=("flash",), lora_fused_experts=_QWEN2_MOE_LORA),
     # ViTEmbeddings: patch projection, cls token, position embeddings, no LayerNorm
     "vit": Family(arch="vision", softmax_fp32=True, embedding_norm=False, selective=True),
 }

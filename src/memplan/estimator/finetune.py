@@ -134,6 +134,9 @@ def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
     if not g.weight_of or in_saved(g.module, saved_modules(spec, t)):
         return False
     names = targets_of(spec, t)
+    if g.module.rsplit(".", 1)[-1] in dict(family(spec.model_type).lora_fused_experts):
+        # PEFT moved the name to target_parameters (the fused experts): no nn.Linear of it keeps an adapter
+        return False
     if names == (ALL_LINEAR,):
         # PEFT excludes the output embedding; for SEQ_CLS its classifier / score, which modules_to_save
         # holds anyway (tuners_utils._maybe_include_all_linear_layers)
@@ -157,7 +160,8 @@ def moe_adapters(spec: ModelSpec, t: Tuning, g: ParamGroup) -> list[ParamGroup]:
     if g.category != "experts" or len(g.shape) != 3:
         return []
     e, n_out, n_in = g.shape
-    kind = "gate_up" if n_out == 2 * spec.intermediate_size else "down"
+    # by (out, in): gate_up (2 f, h), down (h, f); the out side alone is ambiguous where h = 2 f (deepseek_v3-moe-small)
+    kind = "gate_up" if (n_out, n_in) == (2 * spec.expert_width, spec.hidden_size) else "down"
     return _lora_pair(g, n_in, n_out, e * t.r * (2 if kind == "gate_up" else 1)) if kind in kinds else []
 
 
