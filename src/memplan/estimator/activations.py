@@ -774,6 +774,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     saved_head = _tuned(saved_head, lora)
     if lora is not None:
         layer += lora_terms(lora.layer, T, prec, lora)
+        if lora.merged_experts:
+            layer.append(Tensors("lora: merged expert weights (W + B A)", lora.merged_experts))
         dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
         saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora)
     if selective:  # the core's no-grad run in the forward, and its recompute in backward, each in eager order

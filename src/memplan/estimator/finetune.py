@@ -383,6 +383,10 @@ class LoraActs(NamedTuple):
     # the adapters' width at compute time: fp32 (PEFT's autocast_adapter_dtype), half in a half model -
     # DeepSpeed casts every float parameter to half, FSDP2 gathers in param_dtype (docs/finetune.md)
     adapter_bytes: int = FP32
+    # bytes a block (the layers' mean) keeps of PEFT's merged fused-expert weights: ParamWrapper swaps each adapted
+    # expert tensor for W + B A while the experts run (lora/layer.py ParamWrapper._activate_lora; traced: one
+    # baddbmm output per adapted tensor, in the compute width, which the grouped matmul saves)
+    merged_experts: float = 0.0
 
 
 def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = HALF,
@@ -405,9 +409,10 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
             stack, per = "layer", g.count // spec.num_layers
         stacks[stack][key] = stacks[stack].get(key, 0) + per
     pack = lambda d: tuple(AdapterInput(w, inner, n) for (_, w, inner), n in sorted(d.items()))  # noqa: E731
+    merged = sum(g.numel * g.count for g in spec.params if g.category == "experts" and moe_adapters(spec, t, g))
     return LoraActs(t.r, dropout > 0, pack(stacks["layer"]), pack(stacks["decoder_layer"]), pack(stacks["head"]),
                     dequant_bytes(spec, t, compute_bytes), t.method == "qlora" and t.quant == "int8",
-                    adapter_bytes)
+                    adapter_bytes, compute_bytes * merged / spec.num_layers)
 
 
 def dequant_bytes(spec: ModelSpec, t: Tuning, compute: int) -> int:
