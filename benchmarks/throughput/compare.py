@@ -112,7 +112,7 @@ def _recompute(run, fw) -> str:
     return r if r in ("none", "selective", "full") else fw["recompute"]
 
 
-def _half_model(fw, kw) -> bool:
+def _half_model(fw, kw, dp: int) -> bool:
     """Megatron's fp16 training wraps the model in half (megatron/fp16/fp16.py FP16_Module, `module.half()`, in 2020;
     megatron/model/module.py Float16Module later: parameters, activations and the residual stream in fp16, the
     softmax fused) and keeps fp32 main parameters in its optimizer (FP16_Optimizer). memplan's fp16 half model is
@@ -120,7 +120,6 @@ def _half_model(fw, kw) -> bool:
     only such runs take it (at several ranks it would shard the step, as Megatron's later distributed optimizer
     does, not its 2020 FP16_Optimizer; the V100 rows are all at one rank). Without it, fp16 is the HF Trainer's
     autocast over an fp32 model: fp32 scores and residual stream, which priced the 2020 V100 rows 22 to 47 % slow."""
-    dp = kw["gpus"] * kw["nodes"] // (kw["tp"] * kw["pp"])
     return (fw["half"] == "pure" and kw["precision"] == "fp16" and kw["pp"] == 1 and dp == 1
             and "zero" not in kw and "fsdp" not in kw)
 
@@ -141,7 +140,7 @@ def workload(run) -> dict:
               gpus=per_node, nodes=max(gpus // per_node, 1), tp=tp, pp=pp, vpp=run.get("vpp") or 1,
               sp=bool(run.get("sequence_parallel")), attn=_attn(run, gpu), grad_ckpt=_recompute(run, fw), optim=opt)
     kw |= SHARDING.get(str(run.get("sharding")), {})
-    if _half_model(fw, kw):
+    if _half_model(fw, kw, dp):
         kw["zero"] = 1
     if pp > 1:  # memplan plans pipelines on DeepSpeed's engine: its mixed precision, ZeRO-1's gradient volume
         kw["precision"] = kw["precision"].replace("-pure", "")

@@ -445,7 +445,8 @@ DP_STEP_SYNC = 0.09
 
 def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, params, trained, compute_micro):
     """The part of the data-parallel collectives not hidden behind backward (FSDP: `_fsdp_comm`): the gradients
-    of the trained parameters, and under ZeRO-3 / FSDP the gathers of all of them."""
+    of the trained parameters, and under ZeRO-3 / FSDP the gathers of all of them; and, whatever the sharding, the
+    step's synchronisation (DP_STEP_SYNC of one micro batch's compute)."""
     w0, dp = bases[0], bases[0].dp
     zero = _col([w.zero for w in bases])
     sharded = (zero > 0) | _col([w.fsdp != "none" for w in bases]).astype(bool)
@@ -459,10 +460,9 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     backward = 2 / 3 * compute_micro  # backward is 2 of the 3 matmul passes
     # ZeRO-0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume) at the accumulation
     # boundary, overlapped with the last micro batch's backward
-    sync = DP_STEP_SYNC * compute_micro
-    z01 = np.maximum(ar * g_bytes - backward, 0.0) + sync
+    z01 = np.maximum(ar * g_bytes - backward, 0.0)
     # ZeRO-2 reduce-scatters every micro batch behind its backward, then all-gathers the updated parameters
-    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * width + sync
+    z2 = m * np.maximum(ag * g_bytes - backward, 0.0) + ag * trained * width
     # ZeRO-3 (paper section 7.2.2: 1.5x the all-reduce volume): all-gather in forward and again in
     # backward, reduce-scatter of the gradients, every micro batch, prefetched behind compute
     # DeepSpeed fetches a module's parameters when it runs and prefetches at most stage3_prefetch_bucket_size
@@ -470,24 +470,23 @@ def _dp_comm(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], m, half, p
     # module before it: the rest waits (zero3_overlap)
     f = _col([zero3_overlap(spec, w) for w in bases])
     z3_comm = 2 * ag * p_bytes + ag * g_bytes + _col([zero3_latency(spec, gpu, w) for w in bases])
-    z3 = m * ((1 - f) * z3_comm + np.maximum(f * z3_comm - compute_micro, 0.0)) + sync
+    z3 = m * ((1 - f) * z3_comm + np.maximum(f * z3_comm - compute_micro, 0.0))
     dp_comm = np.where(zero <= 1, z01, np.where(zero == 2, z2, z3))
     for i, w in enumerate(bases):
         if w.fsdp != "none":
             dp_comm[i] = _fsdp_comm(gpu, w, m[0], p_bytes[i], g_bytes[i], compute_micro[i])
-    return dp_comm
+    return dp_comm + DP_STEP_SYNC * compute_micro
 
 
 def _fsdp_comm(gpu: GPUProfile, w: Workload, m, p_bytes, g_bytes, compute_micro):
     """FSDP2: every micro batch all-gathers each unit in forward (and again in backward unless
     shard-grad-op kept it) and reduce-scatters its gradients, prefetched behind compute; hybrid shards
-    inside a node and all-reduces its gradient shard across nodes once per step; the step's synchronisation
-    (DP_STEP_SYNC) as under DDP."""
+    inside a node and all-reduces its gradient shard across nodes once per step."""
     n = w.gpus if w.fsdp == "hybrid-shard" else w.dp
     bw_n = group_bw(gpu, w, 1, n)
     gathers = 1 if w.fsdp == "shard-grad-op" else 2
     per = gathers * ring(n, 1.0, bw_n, "all-gather") * p_bytes + ring(n, 1.0, bw_n, "reduce-scatter") * g_bytes
-    out = m * np.maximum(per - compute_micro, 0.0) + DP_STEP_SYNC * compute_micro
+    out = m * np.maximum(per - compute_micro, 0.0)
     if w.fsdp == "hybrid-shard":
         out = out + ring(w.dp // n, 1.0, inter_node_gbs(gpu, w) * 1e9, "all-reduce") * g_bytes / n
     return out
