@@ -157,10 +157,10 @@ def test_mixtral_expert_targets():
 def test_qwen2_moe_pattern_expert_targets(name, targets):
     """Qwen3-MoE, DeepSeek-V3 and GLM-4-MoE follow qwen2_moe's conversion pattern: PEFT renames gate_proj / up_proj
     (fused: twice the rank), down_proj and gate to the fused experts' and the router's parameters, so the dense
-    layers' and the shared experts' linears of those names keep no adapter (DeepSeek-V3's first three blocks, all
-    the cut model has, are dense). memplan had adapted those linears and not the experts: GLM-4-MoE-small
-    all-linear counted 155,648 trainable parameters against PEFT's 610,560, and its traced step was -9.8 % on
-    peak allocated (-6.0 % after; benchmarks/accuracy/results/accuracy-offsuite.md)."""
+    layers' and the shared experts' linears of those names keep no adapter. Here Qwen3-30B-A3B (routed layers,
+    no shared expert) and DeepSeek-V3 cut to its first three blocks, all dense; the catalog has no GLM-4-MoE, whose
+    small config (shared experts included) was counted against PEFT by hand: 610,560 trainable parameters at
+    all-linear r16, where memplan had counted 155,648."""
     peft_targets = "all-linear" if targets == ("all-linear",) else list(targets)
     assert memplan_trainable(name, lora_targets=targets) == peft_trainable(name, target_modules=peft_targets)
 

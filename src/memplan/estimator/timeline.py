@@ -453,7 +453,7 @@ class _Step:
         embedding_dense_backward, add, the part and the dense gradient freed), bart-small (a second sum after the
         decoder's embedding, before the encoder's blocks). The replay had kept the head's part as .grad and the
         optimizer states went behind it: qwen3-small bf16-pure -12.5 % under expandable segments (with the traced
-        window fix, cohere2-small b3 s96 +15.6 %)."""
+        window fix, cohere2-small b3 s96 +15.4 % under the default allocator)."""
         g = self.groups[self.shared]
         v = g.numel * element_bytes(g, self.prec.grad)  # the matrix's own width (OPT's 512-wide embedding)
         new = self.sim.alloc(v)
