@@ -30,7 +30,7 @@ def load(path) -> dict:
 
 def step_start(trace: list[dict]) -> int:
     """The event that ends fresh_peaks' empty_cache: the last segment release before the step's own (the final
-    release, after the step, is verify's clean-up)."""
+    release, after the step, is verify's clean-up); -1 where the record has no release before the steps."""
     runs, prev = [], -2
     for i, e in enumerate(trace):
         if GROWS.get(e["action"], 0) < 0:
@@ -38,7 +38,7 @@ def step_start(trace: list[dict]) -> int:
                 runs.append(i)
             prev = i
             runs[-1] = i
-    return runs[-2]
+    return runs[-2] if len(runs) > 1 else -1  # training: verify empties no cache before its steps
 
 
 def measured(trace: list[dict], start: int) -> int:

@@ -77,7 +77,40 @@ SERVE = [
     dict(model="qwen3-0.6b", task="infer", seq_len=1024, micro_batch=4, beams=4, max_new_tokens=64, attn="sdpa"),
     dict(model="llama-3.2-1b", task="infer", seq_len=2048, micro_batch=16, attn="sdpa"),
 ]
-GRIDS = {"issue": GRID, "wide": WIDE, "serve": SERVE}
+# the accuracy suite's cases whose reserved the estimate puts furthest (over 5 %) from the allocator simulation of
+# their CPU / fake traces (benchmarks/accuracy/results/accuracy.json), and the probes docs/estimator.md lists as not
+# fixed: the real allocator says whether the estimate or the simulated trace is the one that is off on these
+# sub-500 MiB models (the MoE cases were traced on the CPU, whose expert path need not be the GPU's)
+_C = "benchmarks/accuracy/configs/"
+_SMALL = dict(micro_batch=2, seq_len=512, optim="adamw_torch_fused")
+SUITE = [
+    dict(model=_C + "llama4-small.json", **_SMALL, precision="bf16-pure", attn="sdpa", grad_ckpt="none"),
+    dict(model=_C + "gemma3-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none"),
+    dict(model=_C + "mixtral-small.json", **_SMALL, precision="bf16-pure", attn="sdpa", grad_ckpt="none"),
+    dict(model=_C + "qwen3_moe-small.json", **_SMALL, precision="bf16", attn="sdpa", grad_ckpt="full"),
+    dict(model=_C + "llama4-small.json", **_SMALL, precision="bf16-pure", attn="sdpa", grad_ckpt="full"),
+    dict(model=_C + "glm4_moe-small.json", **_SMALL, precision="bf16", attn="sdpa", grad_ckpt="full"),
+    dict(model=_C + "starcoder2-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none"),
+    dict(model=_C + "deepseek_v3-small.json", **_SMALL, precision="bf16-pure", attn="eager", grad_ckpt="full"),
+    dict(model=_C + "mt5-small.json", **_SMALL, precision="bf16-pure", attn="sdpa", grad_ckpt="none"),
+    dict(model=_C + "falcon-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none"),
+    dict(model=_C + "deepseek_v3-moe-small.json", task="infer", max_new_tokens=16, micro_batch=2, seq_len=512,
+         precision="bf16-pure", attn="sdpa"),
+    dict(model=_C + "exaone4-small.json", **_SMALL, precision="bf16-pure", attn="sdpa", grad_ckpt="none"),
+    dict(model=_C + "glm4_moe-small.json", **_SMALL, precision="bf16", attn="sdpa", grad_ckpt="none", method="lora",
+         lora_r=16, lora_targets="all-linear"),
+    dict(model=_C + "gpt_oss-small.json", **_SMALL, precision="bf16-pure", attn="eager", grad_ckpt="selective"),
+    dict(model=_C + "olmo2-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="selective"),
+    dict(model=_C + "gpt_oss-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none"),
+    dict(model=_C + "deepseek_v3-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none",
+         method="lora", lora_r=16, lora_targets="all-linear"),
+    dict(model="roberta-base", micro_batch=8, seq_len=256, precision="fp16", attn="eager", optim="adamw_torch",
+         grad_ckpt="none"),
+    dict(model=_C + "gpt_bigcode-small.json", **_SMALL, precision="bf16", attn="eager", grad_ckpt="none"),
+    dict(model=_C + "mt5-small.json", micro_batch=2, seq_len=256, precision="fp32", attn="eager",
+         optim="adamw_torch_fused", grad_ckpt="none"),
+]
+GRIDS = {"issue": GRID, "wide": WIDE, "serve": SERVE, "suite": SUITE}
 STEPS = 6  # the first creates the optimizer state; verify's step time is the median of the steps after it
 MODES = (False, True)  # expandable segments off, on
 RUN_TIMEOUT_S = 300  # one verify run, model build included
@@ -238,31 +271,37 @@ def predicted_now(paths: list[str]) -> str:
 
 
 def reserved_now(paths: list[str]) -> list[dict]:
-    """Each run's peak reserved as this tree predicts it (its configuration, allocator mode and GPU profile)
-    beside what the run measured (`torch.cuda.max_memory_reserved()`)."""
+    """Each run's peak reserved and peak allocated as this tree predicts them (its configuration, allocator mode and
+    GPU profile) beside what the run measured (`torch.cuda.max_memory_reserved()`, `max_memory_allocated()`)."""
     out = []
     for p in paths:
         for r in json.loads(pathlib.Path(p).read_text())["results"]:
             if r["returncode"] != 0:
                 continue
-            case = r["case"]
+            case, meters = r["case"], _meters(r)
             e = memplan.estimate(case["model"], r["verify"]["gpu"], expandable_segments=r["expandable_segments"],
                                  **{k: v for k, v in case.items() if k != "model"})
             out.append({"case": " ".join(map(str, case.values())), "expandable_segments": r["expandable_segments"],
-                        "predicted": e.peak_reserved_bytes, "reserved_from": e.reserved_from,
-                        "measured": _meters(r)["peak_reserved"]["measured_bytes"]})
+                        "task": e.workload.task, "predicted": e.peak_reserved_bytes, "reserved_from": e.reserved_from,
+                        "measured": meters["peak_reserved"]["measured_bytes"],
+                        "allocated": e.peak_allocated_bytes,
+                        "measured_allocated": meters["peak_allocated"]["measured_bytes"]})
     return out
 
 
 def reserved_table(rows: list[dict]) -> str:
-    lines = ["| configuration | allocator | predicted MiB | measured MiB | error |", "|---|---|---:|---:|---:|"]
+    lines = ["| configuration | allocator | reserved predicted MiB | measured MiB | error | allocated error |",
+             "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['case']} | {'expandable' if r['expandable_segments'] else 'default'} | "
               f"{r['predicted'] / MiB:,.0f} | {r['measured'] / MiB:,.0f} | "
-              f"{100 * (r['predicted'] / r['measured'] - 1):+.1f} % |" for r in rows]
-    errs = [r["predicted"] / r["measured"] - 1 for r in rows]
-    return "\n".join(lines + ["", f"{len(rows)} runs: median |error| {100 * statistics.median(map(abs, errs)):.1f} %, "
-                                  f"from {100 * min(errs):+.1f} to {100 * max(errs):+.1f} %, under in "
-                                  f"{sum(e < 0 for e in errs)}"])
+              f"{100 * (r['predicted'] / r['measured'] - 1):+.1f} % | "
+              f"{100 * (r['allocated'] / r['measured_allocated'] - 1):+.1f} % |" for r in rows]
+    out = lines + [""]
+    for name, pred, meas in (("reserved", "predicted", "measured"), ("allocated", "allocated", "measured_allocated")):
+        errs = [r[pred] / r[meas] - 1 for r in rows]
+        out.append(f"{len(rows)} runs, peak {name}: median |error| {100 * statistics.median(map(abs, errs)):.1f} %, "
+                   f"from {100 * min(errs):+.1f} to {100 * max(errs):+.1f} %, under in {sum(e < 0 for e in errs)}")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -278,13 +317,18 @@ def main() -> int:
     ap.add_argument("--grid", choices=list(GRIDS), default="issue",
                     help="issue: the issue's grid; wide: beyond it; serve: serving steps")
     ap.add_argument("--first", type=int, default=0, help="start at this case of the grid (a lease that ran its head)")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="run the grid's cases I, I+N, I+2N, ... (N processes sharing one GPU: their step times and "
+                         "NVML's device used are contended, the per-process allocator meters are not)")
     args = ap.parse_args()
     if args.summary:
         print(predicted_now(args.summary) if args.predicted_now else reserved_table(reserved_now(args.summary))
               if args.reserved_now else summary(args.summary))
         return 0
+    shard, shards = map(int, args.shard.split("/"))
+    grid = GRIDS[args.grid][args.first:][shard::shards]
     if args.dry_run:
-        dry_run(GRIDS[args.grid][args.first:])
+        dry_run(grid)
         return 0
     import torch
 
@@ -298,14 +342,14 @@ def main() -> int:
     cmd = ("python benchmarks/gpu_grid.py " + " ".join(sys.argv[1:])).strip()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for case in GRIDS[args.grid][args.first:]:
+    for case in grid:
         longest = max((r["seconds"] for r in results), default=0.0)
         if time.perf_counter() - t0 + len(MODES) * longest > args.max_seconds:
             break
         for expandable in MODES:
             results.append(run_one(case, expandable))
             print(row(results[-1]), flush=True)
-            doc = {"command": cmd, "device": device, "stack": stack, "results": results}
+            doc = {"command": cmd, "device": device, "stack": stack, "shard": args.shard, "results": results}
             out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
             out.with_suffix(".md").write_text(report(results, device, cmd))
             if len(results) >= GIVE_UP and all(r["returncode"] != 0 for r in results[-GIVE_UP:]):

@@ -9,6 +9,9 @@
 #   run: bash benchmarks/gpu_lease.sh recheck  carry: .whl      timeout_s: 560   (for the next lease: the serving
 #        grid again now that verify builds the weights in their dtype on the GPU (docs/verify.md), where the
 #        second lease's holes set reserved; expected within a few % of the replay: results/gpu_lease2/ says how far)
+#   run: bash benchmarks/gpu_lease.sh suite  carry: .whl        timeout_s: 540   (the third lease's one call: the
+#        accuracy suite's cases furthest from the allocator simulation on the real allocator, two shards side by
+#        side, beside the serving grid's recheck, and the allocator's own record of the two worst; results/gpu_lease3/)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -42,6 +45,25 @@ if [ "${1:-}" = serve ]; then
   profile t5-base 512 8 bf16; profile gpt2 1024 8 fp16; profile bert-large 512 8 bf16
   echo "== the wide grid's last 3"
   timeout 110 python3 benchmarks/gpu_grid.py --grid wide --first 9 --max-seconds 80 --out "$OUT/gpu_grid_wide_tail"
+  exit 0
+fi
+if [ "${1:-}" = suite ]; then  # three processes share the GPU: step times and NVML's used are contended
+  env_record
+  for i in 0 1; do
+    timeout 480 python3 benchmarks/gpu_grid.py --grid suite --shard $i/2 --max-seconds 420 \
+      --out "$OUT/suite_grid_$i" >"$OUT/suite_grid_$i.log" 2>&1 &
+  done
+  timeout 480 python3 benchmarks/gpu_grid.py --grid serve --max-seconds 400 --out "$OUT/serve_grid" \
+    >"$OUT/serve_grid.log" 2>&1 &
+  wait
+  for c in "llama4 bf16-pure sdpa false" "gemma3 bf16 eager true"; do
+    set -- $c
+    conf=""; [ "$4" = true ] && conf=expandable_segments:True
+    PYTORCH_ALLOC_CONF=$conf PYTORCH_CUDA_ALLOC_CONF=$conf timeout 25 python3 benchmarks/gpu_memory_history.py \
+      "$OUT/hist_$1.pkl.gz" model=benchmarks/accuracy/configs/$1-small.json micro_batch=2 seq_len=512 \
+      optim=adamw_torch_fused precision=$2 attn=$3 grad_ckpt=none expandable_segments=$4 >/dev/null 2>&1
+  done
+  tail -3 "$OUT"/*.log
   exit 0
 fi
 if [ "${1:-}" = recheck ]; then

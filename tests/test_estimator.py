@@ -89,6 +89,26 @@ def test_the_h200_runs_reserved():
     assert all(abs(e) < 0.13 for e in chaotic.values()) and not any(k[1] for k in chaotic)
 
 
+def test_the_h200_runs_allocated(benchmark_module):
+    """Peak allocated against every run of the three H200 leases (benchmarks/results/gpu_lease*/, 112 runs:
+    training and serving, both allocator modes). A training step holds two cuBLAS workspaces, the backward's
+    thread has its own handle (estimator/meters.py CUBLAS_HANDLES); with one, the third lease's 38 training runs of
+    sub-500 MiB models read 30-39 MiB more than the estimate (-8 to -16 %), and every run of it is now within 2.5 %.
+    Serving holds one: its runs are within 1 %."""
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks/results"
+    grid = benchmark_module("gpu_grid.py")
+    rows = grid.reserved_now(sorted(str(p) for p in root.glob("gpu_lease*/*grid*.json")))
+    errs = {(r["case"], r["expandable_segments"], r["task"]): r["allocated"] / r["measured_allocated"] - 1
+            for r in rows}
+    assert len(rows) == 112 and {k[2] for k in errs} == {"train", "infer"}
+    assert statistics.median(map(abs, errs.values())) < 0.005
+    assert all(abs(e) < 0.025 for e in errs.values()), {k: e for k, e in errs.items() if abs(e) >= 0.025}
+    assert all(abs(e) < 0.01 for k, e in errs.items() if k[2] == "infer")
+
+
 def test_meters_and_breakdown_add_up():
     e = memplan.estimate("gpt2", "a100-80g", micro_batch=8, seq_len=1024, precision="bf16")
     b = e.breakdown

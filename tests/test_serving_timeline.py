@@ -31,7 +31,7 @@ def test_replay_allocates_what_the_serving_estimate_counts(model, kw):
     e = memplan.estimate(spec, "a100-80g", task="infer", **kw)
     assert serving_replayable(spec, e.workload) and e.reserved_from == "replay"
     r = replay(ServingKey.of(spec, e.workload))
-    ws = gpu_workspace(memplan.load_gpu("a100-80g"))
+    ws = gpu_workspace(memplan.load_gpu("a100-80g"), "infer")
     assert r.peak_allocated + ws == pytest.approx(e.peak_allocated_bytes, rel=0.04)
     assert r.reserved >= r.peak_allocated  # the default allocator's (an unsplit block counts whole in both)
     assert e.peak_reserved_bytes == max(r.reserved + ws, e.peak_allocated_bytes)

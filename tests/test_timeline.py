@@ -31,7 +31,7 @@ def test_replay_allocates_what_the_estimate_counts(model, kw):
     e = memplan.estimate(spec, "a100-80g", simulate=True, **kw)
     assert replayable(e.workload)
     r = replay(ReplayKey.of(spec, e.workload))
-    ws = gpu_workspace(memplan.load_gpu("a100-80g"))
+    ws = gpu_workspace(memplan.load_gpu("a100-80g"), "train")
     assert r.peak_allocated + ws == pytest.approx(e.peak_allocated_bytes, rel=0.04)
     assert r.reserved >= r.peak_allocated and r.reserved_expandable >= r.peak_allocated
     assert e.reserved_from == "replay"

@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--results", default="benchmarks/accuracy/results/accuracy.json")
     args = ap.parse_args()
     doc = json.loads(open(args.results).read())
-    ws = gpu_workspace(load_gpu(doc["gpu_profile"]))
+    ws = gpu_workspace(load_gpu(doc["gpu_profile"]), "train")
     cases = []
     for r in doc["results"]:
         m = {x["meter"]: x for x in r["meters"]}

@@ -174,9 +174,9 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
     persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
     act_segments = segments_of(_arithmetic_items(work_ts))
-    mt = meters(gpu, sum(parts.values()), persistent, act_segments, parts["transient"])
+    mt = meters(gpu, w.task, sum(parts.values()), persistent, act_segments, parts["transient"])
     allocated, (reserved, used) = mt.allocated, mt.mode(w.expandable_segments)
-    parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
+    parts |= {"workspace": gpu_workspace(gpu, w.task), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     saved, state = parts["transient"], parts["weights"] + parts["kv_cache"]
     return Peak(parts, phases, peak_phase, notes, {}, allocated, reserved, used, 0, spec.params_total, saved, state,

@@ -18,6 +18,14 @@ from memplan.inputs.profiles import GPUProfile
 # cuBLAS workspace, allocated through the caching allocator: 4096 KiB * 2 + 16 KiB * 8 before Hopper,
 # 32 MiB on sm90+ (PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize).
 CUBLAS_WORKSPACE = {False: 4096 * 1024 * 2 + 16 * 1024 * 8, True: 32 << 20}
+# One workspace per cuBLAS handle and stream: PyTorch gives each thread its own handle (CublasHandlePool.cpp's
+# thread_local PoolWindow) and keeps a workspace per (handle, stream) (cublas_handle_stream_to_workspace). A training
+# step's backward runs on autograd's device thread (torch/csrc/autograd/engine.cpp), a second handle, so training
+# holds two. Measured on the H200 (benchmarks/results/gpu_lease3/): the allocator's record of two training runs has
+# two 32 MiB blocks that live to the end, and all 46 training runs of three leases read about 32 MiB more peak
+# allocated than one workspace gave (tiny models: 30-39 MiB), the 25 serving runs' within 1 MiB of one (-0.2..-10 MiB
+# on the default allocator's three).
+CUBLAS_HANDLES = {"train": 2, "infer": 1}
 # Fragmentation of the activation churn: blocks freed in backward are re-split for gradients and the
 # lazily created optimizer state, so the next forward cannot reuse all of them (docs/estimator.md).
 ACTIVATION_FRAGMENTATION = 0.10
@@ -51,15 +59,16 @@ class Meters(NamedTuple):
                 "expandable_segments": {"peak_reserved_bytes": reserved_x, "device_used_bytes": used_x}}
 
 
-def gpu_workspace(gpu: GPUProfile) -> int:
-    return CUBLAS_WORKSPACE[gpu.compute_capability >= (9, 0)]
+def gpu_workspace(gpu: GPUProfile, task: str) -> int:
+    """cuBLAS's workspaces during a step of `task` (train / infer)."""
+    return CUBLAS_HANDLES[task] * CUBLAS_WORKSPACE[gpu.compute_capability >= (9, 0)]
 
 
-def meters(gpu: GPUProfile, tensors, persistent_segments, activation_segments, churn) -> Meters:
+def meters(gpu: GPUProfile, task: str, tensors, persistent_segments, activation_segments, churn) -> Meters:
     """The meters in both allocator modes. tensors: the bytes allocated at the peak, workspace aside;
     churn: the activation and transient bytes alive then (their blocks fragment). Expandable segments:
     expandable_reserved."""
-    ws = gpu_workspace(gpu)
+    ws = gpu_workspace(gpu, task)
     allocated = tensors + ws
     reserved = persistent_segments + activation_segments + as_int(ACTIVATION_FRAGMENTATION * churn) + ws
     reserved = as_int(np.maximum(reserved, allocated))

@@ -295,7 +295,7 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
         sel = (pick_last if si == len(cells) - 1 and pp > 1 else ~pick_last) & (moment < OPTIMIZER_STEP)
         act_segs[sel] = activation_segments(stack, stages[si], pp, c, moment, sel)
     churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0])
-    mt = meters(gpu, np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
+    mt = meters(gpu, "train", np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
     managed = chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
     modes = mt._replace(device_used=mt.device_used + managed,
                         device_used_expandable=mt.device_used_expandable + managed)
@@ -374,7 +374,7 @@ def cell_peak(spec: ModelSpec, gpu: GPUProfile, t: Table, w: Workload, b: int, k
         by_mode = _with_replay(by_mode, ReplayKey.of(spec, w), gpu, w, allocated)
     modes = by_mode[allocator_mode(w.expandable_segments)]
     reserved = modes["peak_reserved_bytes"]
-    parts |= {"workspace": gpu_workspace(gpu), "allocator_overhead": reserved - allocated,
+    parts |= {"workspace": gpu_workspace(gpu, w.task), "allocator_overhead": reserved - allocated,
               "cuda_context": gpu.cuda_context_bytes}
     phases = {name: int(c.phases[j, b, k]) for j, name in enumerate(PHASES) if c.phases[j, b, k] >= 0}
     notes = _notes(spec, w, stage, float(c.flight[b, k]), c.n_layers) + _held_note(modes)
@@ -409,7 +409,7 @@ def _with_replay(by_mode: dict, key: StepKey, gpu: GPUProfile, w: Workload, allo
     it, as the GPU holds the allocator, which releases its cached segments before it runs out
     (`roomy_reserved_bytes`: the high-water mark a GPU with room would read)."""
     r = replay(key)
-    ws, usable = gpu_workspace(gpu), usable_bytes(gpu, w.headroom)
+    ws, usable = gpu_workspace(gpu, w.task), usable_bytes(gpu, w.headroom)
     sim = {"default": r.reserved, "expandable_segments": r.reserved_expandable}
     out = {}
     for mode, v in by_mode.items():
