@@ -152,6 +152,20 @@ def test_mixtral_expert_targets():
         "mixtral-8x7b", target_modules=list(names))
 
 
+@pytest.mark.parametrize("name,pair", [("mixtral-8x7b", ("w1", "w3")), ("qwen3-30b-a3b", ("gate_proj", "up_proj"))])
+def test_the_fused_expert_pair(name, pair):
+    """The two v4 names PEFT fuses into the experts' gate_up_proj: named alone together they are valid targets (memplan
+    refused w1,w3 on Mixtral: no linear layer of that name); one without the other PEFT cannot convert, and memplan
+    refuses it in one line (constraint lora-fused-pair), where it estimated it before."""
+    assert memplan_trainable(name, lora_targets=pair) == peft_trainable(name, target_modules=list(pair))
+    memplan.estimate(name, "a100-80g", method="lora", lora_targets=pair, seq_len=128, micro_batch=1, simulate=False)
+    with pytest.raises(ValueError, match=f"{pair[1]} without also targeting {pair[0]}"):
+        peft_trainable(name, target_modules=[pair[1]])
+    with pytest.raises(UserError, match=f"names {pair[1]} without {pair[0]}: .* gate_up_proj"):
+        memplan.estimate(name, "a100-80g", method="lora", lora_targets=(pair[1], "q_proj"), seq_len=128,
+                         micro_batch=1, simulate=False)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("targets", [("all-linear",), ("gate_proj", "up_proj", "down_proj", "gate", "o_proj")])
 def test_qwen2_moe_pattern_expert_targets(name, targets):

@@ -151,6 +151,27 @@ def moe_targets(spec: ModelSpec, t: Tuning) -> set[str]:
     return set(table.values()) if names == (ALL_LINEAR,) else {table[n] for n in names if n in table}
 
 
+def fused_names(spec: ModelSpec) -> tuple[str, ...]:
+    """The v4 target names PEFT moves to a fused MoE tensor of this model (families.Family.lora_fused_experts);
+    none where the model has no experts."""
+    return tuple(n for n, _ in family(spec.model_type).lora_fused_experts) if spec.num_experts else ()
+
+
+def unpaired_fused(spec: ModelSpec, names: tuple[str, ...]) -> tuple[str, str, str] | None:
+    """(named, missing, fused) where `names` names one of two targets PEFT fuses into one tensor without the other
+    (w1 without w3, gate_proj without up_proj): PEFT 0.21 raises ValueError there ("Cannot convert PEFT target(s)
+    w1 without also targeting w3 because they are fused into gate_up_proj"; checked on mixtral-small and
+    glm4_moe-small). None where it can run."""
+    if not spec.num_experts or names == (ALL_LINEAR,):
+        return None
+    table = family(spec.model_type).lora_fused_experts
+    for name, fused in table:
+        missing = [n for n, f in table if f == fused and n not in names]
+        if name in names and missing:
+            return name, missing[0], fused
+    return None
+
+
 def moe_adapters(spec: ModelSpec, t: Tuning, g: ParamGroup) -> list[ParamGroup]:
     """PEFT's ParamWrapper LoRA on a fused expert tensor (E, out, in): A (E*r, in) and B (out, E*r), r
     doubled on gate_up_proj (w1 and w3, rank_pattern); on the router weight (E, in): A (r, in), B (E, r)."""

@@ -26,7 +26,8 @@ from memplan.estimator.families import (
     family, full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
 )
 from memplan.estimator.finetune import (
-    ALL_LINEAR, default_targets, has_module, linear_names, load_dtype, matches, stack_blocks,
+    ALL_LINEAR, default_targets, fused_names, has_module, linear_names, load_dtype, matches, stack_blocks,
+    unpaired_fused,
 )
 from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
@@ -434,10 +435,20 @@ TABLE: tuple[Constraint, ...] = (
        {"method": "lora"}, model="phi-3-mini"),
     _c("lora-targets-exist", "model", "method lora_targets",
        lambda w, m, g: w.method in ("lora", "qlora") and w.lora_targets and w.lora_targets != (ALL_LINEAR,)
-       and not any(matches(p.module, w.lora_targets) for p in m.params if p.weight_of),
+       and not any(matches(p.module, w.lora_targets) for p in m.params if p.weight_of)
+       and not set(w.lora_targets) & set(fused_names(m)),
        lambda w, m, g: f"--lora-targets {','.join(w.lora_targets)} matches no linear layer of {m.name} "
-                       f"(its linear modules: {', '.join(linear_names(m))}, or all-linear)",
+                       f"(its linear modules: {', '.join(linear_names(m))}"
+                       + (f"; its fused experts: {', '.join(fused_names(m))}" if fused_names(m) else "")
+                       + ", or all-linear)",
        {"method": "lora", "lora_targets": ("nonexistent",)}),
+    # transformers 5 fuses a MoE layer's experts into one module; PEFT adapts them through the v4 names, and two of
+    # them (w1 and w3, gate_proj and up_proj) become one tensor, gate_up_proj, which it cannot adapt half of
+    _c("lora-fused-pair", "model", "method lora_targets",
+       lambda w, m, g: w.method in ("lora", "qlora") and unpaired_fused(m, w.lora_targets) is not None,
+       lambda w, m, g: "--lora-targets names {0} without {1}: transformers fuses both into the experts' {2}_proj, "
+                       "which PEFT adapts whole; name both".format(*unpaired_fused(m, w.lora_targets)),
+       {"method": "lora", "lora_targets": ("w1",)}, model="mixtral-8x7b"),
     _c("modules-to-save-exist", "model", "method modules_to_save",
        lambda w, m, g: any(not has_module(m, n) for n in w.modules_to_save),
        lambda w, m, g: f"--modules-to-save: no module of {m.name} is named "
