@@ -11,7 +11,8 @@
 #        second lease's holes set reserved; expected within a few % of the replay: results/gpu_lease2/ says how far)
 #   run: bash benchmarks/gpu_lease.sh suite  carry: .whl        timeout_s: 540   (the third lease's one call: the
 #        accuracy suite's cases furthest from the allocator simulation on the real allocator, two shards side by
-#        side, beside the serving grid's recheck, and the allocator's own record of the two worst; results/gpu_lease3/)
+#        side, beside the serving grid's recheck, and the allocator's own record of the two worst; results/gpu_lease3/;
+#        the third lease's call left 12 files of which 8 came back, and reran shard 1 for its own: now 7 files)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
 # .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
 # typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
@@ -63,7 +64,10 @@ if [ "${1:-}" = suite ]; then  # three processes share the GPU: step times and N
       "$OUT/hist_$1.pkl.gz" model=benchmarks/accuracy/configs/$1-small.json micro_batch=2 seq_len=512 \
       optim=adamw_torch_fused precision=$2 attn=$3 grad_ckpt=none expandable_segments=$4 >/dev/null 2>&1
   done
-  tail -3 "$OUT"/*.log
+  # the device tool returns 8 files a call: the logs in one, the tables left to gpu_grid.py --summary
+  for f in "$OUT"/*_grid*.log; do echo "== $f"; cat "$f"; done >"$OUT/grids.log" && rm -f "$OUT"/*_grid*.log
+  rm -f "$OUT"/*.md
+  tail -n 3 "$OUT/grids.log"
   exit 0
 fi
 if [ "${1:-}" = recheck ]; then
