@@ -166,6 +166,21 @@ def test_the_fused_expert_pair(name, pair):
                          micro_batch=1, simulate=False)
 
 
+def test_renamed_targets_without_experts_adapt_nothing():
+    """PEFT renames by model type: DeepSeek-V3 cut to its three dense blocks has gate_proj / up_proj linears, yet
+    gate_proj,up_proj alone adapts nothing (NoMatchingPeftModuleError), and memplan refuses the same targets
+    (lora-targets-exist), where it had counted 0 trainable parameters; with o_proj both count o_proj's adapters."""
+    with pytest.raises(ValueError, match="no `target_parameters` found"):
+        peft_trainable("deepseek-v3", target_modules=["gate_proj", "up_proj"])
+    w = Workload(method="lora", lora_targets=("gate_proj", "up_proj"), seq_len=128, micro_batch=1)
+    with pytest.raises(UserError, match="matches no linear layer of deepseek-v3 .*q_a_proj") as refused:
+        constraints.check(spec_of("deepseek-v3"), load_gpu("a100-80g"), w)
+    assert "gate_proj" not in str(refused.value).split("(its linear modules:")[1]
+    targets = ("gate_proj", "up_proj", "o_proj")
+    assert memplan_trainable("deepseek-v3", lora_targets=targets) == peft_trainable("deepseek-v3",
+                                                                                  target_modules=list(targets))
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("targets", [("all-linear",), ("gate_proj", "up_proj", "down_proj", "gate", "o_proj")])
 def test_qwen2_moe_pattern_expert_targets(name, targets):

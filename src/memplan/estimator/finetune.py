@@ -134,7 +134,7 @@ def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
     if not g.weight_of or in_saved(g.module, saved_modules(spec, t)):
         return False
     names = targets_of(spec, t)
-    if g.module.rsplit(".", 1)[-1] in dict(family(spec.model_type).lora_fused_experts):
+    if g.module.rsplit(".", 1)[-1] in renamed_targets(spec):
         # PEFT moved the name to target_parameters (the fused experts): no nn.Linear of it keeps an adapter
         return False
     if names == (ALL_LINEAR,):
@@ -151,18 +151,24 @@ def moe_targets(spec: ModelSpec, t: Tuning) -> set[str]:
     return set(table.values()) if names == (ALL_LINEAR,) else {table[n] for n in names if n in table}
 
 
+def renamed_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """The v4 target names PEFT moves from target_modules to the fused MoE tensors, by model type
+    (families.Family.lora_fused_experts), whether or not this model's layers have experts."""
+    return tuple(n for n, _ in family(spec.model_type).lora_fused_experts)
+
+
 def fused_names(spec: ModelSpec) -> tuple[str, ...]:
-    """The v4 target names PEFT moves to a fused MoE tensor of this model (families.Family.lora_fused_experts);
-    none where the model has no experts."""
-    return tuple(n for n, _ in family(spec.model_type).lora_fused_experts) if spec.num_experts else ()
+    """The renamed targets that adapt something: none where the model has no experts (PEFT then finds no target,
+    NoMatchingPeftModuleError)."""
+    return renamed_targets(spec) if any(g.category == "experts" for g in spec.params) else ()
 
 
 def unpaired_fused(spec: ModelSpec, names: tuple[str, ...]) -> tuple[str, str, str] | None:
     """(named, missing, fused) where `names` names one of two targets PEFT fuses into one tensor without the other
-    (w1 without w3, gate_proj without up_proj): PEFT 0.21 raises ValueError there ("Cannot convert PEFT target(s)
-    w1 without also targeting w3 because they are fused into gate_up_proj"; checked on mixtral-small and
-    glm4_moe-small). None where it can run."""
-    if not spec.num_experts or names == (ALL_LINEAR,):
+    (w1 without w3, gate_proj without up_proj): PEFT 0.21 raises ValueError there, by model type ("Cannot convert
+    PEFT target(s) w1 without also targeting w3 because they are fused into gate_up_proj"; checked on mixtral-small,
+    glm4_moe-small and DeepSeek-V3 cut to dense blocks). None where it can run."""
+    if names == (ALL_LINEAR,):
         return None
     table = family(spec.model_type).lora_fused_experts
     for name, fused in table:

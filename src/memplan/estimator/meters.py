@@ -22,8 +22,9 @@ CUBLAS_WORKSPACE = {False: 4096 * 1024 * 2 + 16 * 1024 * 8, True: 32 << 20}
 # thread_local PoolWindow) and keeps a workspace per (handle, stream) (cublas_handle_stream_to_workspace). A training
 # step's backward runs on autograd's device thread (torch/csrc/autograd/engine.cpp), a second handle, so training
 # holds two. Measured on the H200 (benchmarks/results/gpu_lease3/): the allocator's record of two training runs has
-# two 32 MiB blocks that live to the end; the third lease's 38 training runs (sub-500 MiB models) read 30-39 MiB more
-# peak allocated than the estimate with one, and the three leases' 30 serving runs within 11 MiB of one.
+# two 32 MiB blocks that live to the end; 37 of the third lease's 38 training runs read 30-39 MiB more peak allocated
+# than the estimate with one (RoBERTa fp16 on the default allocator 97 MiB), and the three leases' 30 serving runs
+# within 11 MiB of one.
 CUBLAS_HANDLES = {"train": 2, "infer": 1}
 # Fragmentation of the activation churn: blocks freed in backward are re-split for gradients and the
 # lazily created optimizer state, so the next forward cannot reuse all of them (docs/estimator.md).

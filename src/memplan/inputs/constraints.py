@@ -26,8 +26,8 @@ from memplan.estimator.families import (
     family, full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
 )
 from memplan.estimator.finetune import (
-    ALL_LINEAR, default_targets, fused_names, has_module, linear_names, load_dtype, matches, stack_blocks,
-    unpaired_fused,
+    ALL_LINEAR, default_targets, fused_names, has_module, linear_names, load_dtype, matches, renamed_targets,
+    stack_blocks, unpaired_fused,
 )
 from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
@@ -433,12 +433,15 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: f"PEFT applies no default LoRA target modules for {m.model_type}: name them with --lora-targets "
                        f"(module names such as {', '.join(linear_names(m)[:4])}, or all-linear)",
        {"method": "lora"}, model="phi-3-mini"),
+    # PEFT takes a MoE family's v4 names (gate_proj, w1, ...) off target_modules by model type, so they name no linear
+    # layer, dense ones included, and count only where the fused experts exist (finetune.fused_names)
     _c("lora-targets-exist", "model", "method lora_targets",
        lambda w, m, g: w.method in ("lora", "qlora") and w.lora_targets and w.lora_targets != (ALL_LINEAR,)
-       and not any(matches(p.module, w.lora_targets) for p in m.params if p.weight_of)
+       and not any(matches(p.module, tuple(set(w.lora_targets) - set(renamed_targets(m)))) for p in m.params
+                   if p.weight_of)
        and not set(w.lora_targets) & set(fused_names(m)),
        lambda w, m, g: f"--lora-targets {','.join(w.lora_targets)} matches no linear layer of {m.name} "
-                       f"(its linear modules: {', '.join(linear_names(m))}"
+                       f"(its linear modules: {', '.join(n for n in linear_names(m) if n not in renamed_targets(m))}"
                        + (f"; its fused experts: {', '.join(fused_names(m))}" if fused_names(m) else "")
                        + ", or all-linear)",
        {"method": "lora", "lora_targets": ("nonexistent",)}),

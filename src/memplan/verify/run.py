@@ -377,8 +377,8 @@ def compare(est: MemoryBreakdown, device: str, run: dict[str, Any], w: Workload,
         breakdown = {k: {"predicted": est.breakdown.get(k, 0), "measured": measured.get(k, 0)}
                      for k in dict.fromkeys(keys + list(measured))}
         meters = _traced_meters(est, s, w, ws, cuda_context)
-        notes.append("peak_allocated compares tensor bytes: the estimate's cuBLAS workspace "
-                     f"({ws / 2**20:.0f} MiB) is not a tensor and is left out of both sides")
+        notes.append("peak_allocated compares tensor bytes: the estimate's cuBLAS workspaces "
+                     f"({ws / 2**20:.0f} MiB) are not tensors and are left out of both sides")
         peak_phase, peak_op, phases, kernels = s.peak_phase, s.peak_op, s.phases, run["kernels"]
         times = run["times"] if device == "cpu" else []
         if device == "cpu" and kernels.get("flash", 0) + kernels.get("efficient", 0):
