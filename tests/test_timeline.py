@@ -184,6 +184,27 @@ def test_multi_head_latent_attention_eager_core_in_order(ckpt):
             measured["peak_reserved (expandable_segments)"], rel=0.03)
 
 
+@pytest.mark.parametrize("method,dies_first", [("full", True), ("lora", False)])
+def test_the_masked_scores_die_after_a_half_querys_probabilities(method, dies_first):
+    """eager_attention_forward casts the softmax output to the query's dtype before the masked scores' name is
+    rebound. Under bf16 autocast a full model's RoPE makes q fp32 (the residual stream's width), so the masked scores
+    die first; LoRA's half base keeps the stream and q half, so the probabilities' cast comes first (traced,
+    deepseek_v3-small LoRA all-linear bf16 eager, gpu_grid.SUITE: add, _to_copy fp32, _softmax, the copy freed,
+    _to_copy bf16, then add freed; the replay had freed the masked scores first, a precision check that read
+    `autocast` and not the stream's width)."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.inputs.trace import SAVED
+    spec = memplan.resolve_model(str(RESULTS.parents[2] / "benchmarks/accuracy/configs/deepseek_v3-small.json"))
+    lora = dict(method="lora", lora_targets=("all-linear",)) if method == "lora" else {}
+    e = memplan.estimate(spec, "a100-80g", micro_batch=2, seq_len=512, precision="bf16", attn="eager",
+                         simulate=False, **lora)
+    seq = ActsKey.of(spec, e.workload).model(2).sequences["layer_forward"]
+    masked_dies = seq.index((~2, 0.0))
+    markers_after = [n for n, _ in seq[masked_dies + 1:] if n <= SAVED]
+    # MLA's strided value copy (the core's last marker) follows either way
+    assert (len(markers_after) > 1) is dies_first
+
+
 def test_gpt_oss_lora_over_a_half_base_keeps_the_base_width():
     """Over a half base under autocast (LoRA), GPT-OSS's softmax runs in its logits' dtype, bf16 (it passes
     dtype=, which autocast keeps), and its expert biases are bf16, so they promote no expert output to fp32. With

@@ -853,7 +853,7 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     scores_at = 2 if decoder else 1
     copy = sm == FP32 and width != FP32
     seq += ([(3, FP32 * scores)] if copy else []) + softmax + ([(~3, 0.0)] if copy else [])
-    half_query = p == HALF and not (prec.autocast and rotary_in_stream_dtype(spec))
+    half_query = query_width(spec, p, prec.residual) == HALF  # a LoRA's half base: half (traced, deepseek_v3 LoRA)
     if decoder and half_query:
         # the masked scores die as their name is rebound to the probabilities, before the PV matmul copies MLA's
         # strided value (the core's last entry there)
