@@ -6,6 +6,7 @@ before, in e66ef13's committed runs), and the other of the two reserved figures,
     python benchmarks/gpu_grid.py [--max-seconds 420] [--out benchmarks/results/gpu_grid]
     python benchmarks/gpu_grid.py --dry-run      # the grid and its predictions; no GPU needed
     python benchmarks/gpu_grid.py --summary benchmarks/results/gpu_lease/gpu_grid*.json   # errors of runs made
+    python benchmarks/gpu_grid.py --grid suite --shard 0/2 --out ...   # half the accuracy suite's worst cases
 
 Each run is `memplan verify --device cuda --json` in a fresh process: its own CUDA context, and the allocator
 settings (PYTORCH_ALLOC_CONF and its older alias PYTORCH_CUDA_ALLOC_CONF) set before CUDA starts, expandable
