@@ -33,6 +33,10 @@ class TensorKind(Enum):
 
     OTHER = "other"
     CORE = "core"  # the attention core (QK^T, softmax, dropout, PV): selective recomputation rebuilds it
+    # the core's probabilities that it returns (eager_attention_forward's attn_weights, the PV matmul's input): a
+    # layer binds them to `_` until it returns (LlamaDecoderLayer, BertLayer: `hidden_states, _ = self.self_attn(...)`),
+    # so under selective recomputation they outlive the checkpointed core to the block's end; part of the core
+    PROBS = "probs"
     # the loss's saved log_softmax output (and what the head saves after its matmul: Gemma 2's soft-capping
     # tanh output), freed by the loss's backward, before the last layer's
     LOG_SOFTMAX = "log_softmax"
@@ -217,18 +221,19 @@ def _eager_scores(spec: ModelSpec, rows: int, s_kv: int, prec: Precision, p: int
     GPT-OSS's softmax runs over one more column, the sink (sink_columns)."""
     sm = _softmax_bytes(spec, prec)
     scores = rows * s_kv
-    out = [Tensors("core: softmax output", sm * rows * (s_kv + sink_columns(spec)), kind=TensorKind.CORE)]
+    matmul_input = spec.attention_dropout > 0 or sm != p  # the PV matmul's input is not the softmax output itself
+    out = [Tensors("core: softmax output", sm * rows * (s_kv + sink_columns(spec)),
+                   kind=TensorKind.CORE if matmul_input else TensorKind.PROBS)]
     if spec.attn_logit_softcapping:
         # Gemma 2's eager core soft-caps the scores, tanh(scores / cap) * cap, before the mask (transformers
         # 5.24 models/gemma2/modeling_gemma2.py eager_attention_forward); tanh saves its output, in the
         # scores' dtype (traced: gemma-2-2b b1 s1024 bf16-pure eager, 16 MiB a layer)
         out.append(Tensors("core: logit soft-capping tanh output", p * scores, kind=TensorKind.CORE))
-    dropout = spec.attention_dropout > 0
-    if dropout:
+    if spec.attention_dropout > 0:
         out.append(Tensors("core: attention dropout mask", MASK * scores, kind=TensorKind.CORE))
-    if dropout or sm != p:
+    if matmul_input:
         # the PV matmul saves its own input: the dropout output or the cast back to p
-        out.append(Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE))
+        out.append(Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.PROBS))
     return out
 
 
@@ -275,7 +280,7 @@ def _mla_attention(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, 
     if attn == "eager":
         scores = b * a * s * s
         out += [Tensors("core: softmax output", _softmax_bytes(spec, prec) * scores, kind=TensorKind.CORE),
-                Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.CORE),
+                Tensors("core: attention probs (matmul input)", p * scores, kind=TensorKind.PROBS),
                 Tensors("core: value (contiguous copy)", p * a * dv * T, kind=TensorKind.CORE)]
         if selective:  # the checkpointed core's input is the value view of kv_b_proj's output
             out.append(Tensors("kv_b_proj output (value's storage)", p * a * (nope + dv) * T))
@@ -363,7 +368,7 @@ def _softmax_bytes(spec: ModelSpec, prec: Precision) -> int:
 
 
 def is_core(t: Tensors) -> bool:
-    return t.kind is TensorKind.CORE
+    return t.kind in (TensorKind.CORE, TensorKind.PROBS)
 
 
 def is_log_softmax(t: Tensors) -> bool:
@@ -870,8 +875,10 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
                              prec: Precision, attn: str, tp: int) -> dict[str, list[tuple[int, float]]]:
     """Selective recomputation: the checkpointed eager core runs once in the block's forward without autograd
     recording it (torch.utils.checkpoint), so its tensors, the ones it would save among them, are made in
-    _eager_core_sequence's order and all die when it returns, between the block's tensors before it (its inputs)
-    and after it (markers into `layer`, the block's selective list; `whole` is the list without selective).
+    _eager_core_sequence's order and die when it returns, between the block's tensors before it (its inputs)
+    and after it (markers into `layer`, the block's selective list; `whole` is the list without selective), but for
+    the probabilities it returns, which the layer holds to its end (TensorKind.PROBS; traced, olmo2-small bf16 eager
+    b2 s512: the bf16 probabilities freed after the MLP; the replay was -10.7 % off the real H200 run, now -0.6 %).
     Traced: Llama-3.2-1B bf16 eager b1 s1024 makes each layer's fp32 masked scores and softmax output in the
     forward (128 MiB each); without them the replay was +6.3 % over the simulation of the trace."""
     seq = _eager_core_sequence(spec, whole, b, s, prec, attn, tp).get("layer_forward")
@@ -881,17 +888,19 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
         return {}
     out: list[tuple[int, float]] = []
     fresh = 1 + max(n for n, _ in seq)  # ids past the sequence's own
+    returned: list[int] = []  # the probabilities the core returns: the layer holds them to its end
     for n, nbytes in seq:
         if n > SAVED:
             out.append((n, nbytes))
         elif is_core(whole[SAVED - n]):  # a tensor the core would save: here one more transient
             t = whole[SAVED - n]
             out += [(fresh + i, t.nbytes / tp) for i in range(t.count)]
+            returned += [fresh + i for i in range(t.count)] if t.kind is TensorKind.PROBS else []
             fresh += t.count
     born = {n for n, _ in out if n >= 0}
-    out += [(~n, 0.0) for n in sorted(born - {~n for n, _ in out if n < 0})]
+    out += [(~n, 0.0) for n in sorted(born - {~n for n, _ in out if n < 0} - set(returned))]
     start = layer.index(whole[after])
-    return {"layer_forward": out + [(SAVED - k, 0.0) for k in range(start, len(layer))]}
+    return {"layer_forward": out + [(SAVED - k, 0.0) for k in range(start, len(layer))] + [(~n, 0.0) for n in returned]}
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,

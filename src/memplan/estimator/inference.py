@@ -3,7 +3,8 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.estimator.activations import Tensors, TensorKind, inference_working_set, rotary_in_stream_dtype, total
+from memplan.estimator.activations import (Tensors, inference_working_set, is_core, rotary_in_stream_dtype,
+                                           total)
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
@@ -213,7 +214,7 @@ def _rounded_total(ts: list[Tensors]) -> int:
 
 
 def _arithmetic_items(ts: list[Tensors]) -> list[tuple[float, int]]:
-    """(bytes, count) the segment arithmetic charges: eager's core storages (TensorKind.CORE, separate for the
+    """(bytes, count) the segment arithmetic charges: eager's core storages (is_core, separate for the
     serving replay) as one, as the arithmetic was calibrated (docs/estimator.md, "Reserved and device used")."""
-    core = sum(t.total for t in ts if t.kind == TensorKind.CORE)
-    return [(t.nbytes, t.count) for t in ts if t.kind != TensorKind.CORE] + ([(core, 1)] if core else [])
+    core = sum(t.total for t in ts if is_core(t))
+    return [(t.nbytes, t.count) for t in ts if not is_core(t)] + ([(core, 1)] if core else [])
