@@ -66,16 +66,22 @@ def from_build(trace: list[dict], start: int) -> int:
     return a.peak_reserved
 
 
-def packed(trace: list[dict], start: int, expandable: bool) -> int:
-    """The step's allocations after the blocks live at start, allocated first in address order."""
+def live_at(trace: list[dict], index: int) -> dict[int, int]:
+    """The blocks allocated after the record's event `index` (-1: none yet; len(trace) - 1: at its end), address ->
+    bytes."""
     live: dict[int, int] = {}
-    for e in trace[:start + 1]:
+    for e in trace[:index + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e["size"]
         elif e["action"] == "free_completed":
             live.pop(e["addr"], None)
+    return live
+
+
+def packed(trace: list[dict], start: int, expandable: bool) -> int:
+    """The step's allocations after the blocks live at start, allocated first in address order."""
     events, keys, n = [], {}, 0
-    for addr, size in sorted(live.items()):
+    for addr, size in sorted(live_at(trace, start).items()):
         n += 1
         keys[addr] = n
         events.append((n, size))

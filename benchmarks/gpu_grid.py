@@ -7,6 +7,8 @@ before, in e66ef13's committed runs), and the other of the two reserved figures,
     python benchmarks/gpu_grid.py --dry-run      # the grid and its predictions; no GPU needed
     python benchmarks/gpu_grid.py --summary benchmarks/results/gpu_lease/gpu_grid*.json   # errors of runs made
     python benchmarks/gpu_grid.py --grid suite --shard 0/2 --out ...   # half the accuracy suite's worst cases
+    python benchmarks/gpu_grid.py --summary RUNS.json --reserved-now   # this tree's meters beside the runs'
+    python benchmarks/gpu_grid.py --summary RUNS.json --traced-now     # the committed traced simulation beside them
 
 Each run is `memplan verify --device cuda --json` in a fresh process: its own CUDA context, and the allocator
 settings (PYTORCH_ALLOC_CONF and its older alias PYTORCH_CUDA_ALLOC_CONF) set before CUDA starts, expandable
@@ -302,7 +304,77 @@ def reserved_table(rows: list[dict]) -> str:
         errs = [r[pred] / r[meas] - 1 for r in rows]
         out.append(f"{len(rows)} runs, peak {name}: median |error| {100 * statistics.median(map(abs, errs)):.1f} %, "
                    f"from {100 * min(errs):+.1f} to {100 * max(errs):+.1f} %, under in {sum(e < 0 for e in errs)}")
+    for x in (False, True):
+        errs = [r["predicted"] / r["measured"] - 1 for r in rows if r["expandable_segments"] is x]
+        if errs:
+            out.append(f"  peak reserved, {'expandable segments' if x else 'default allocator'}: {len(errs)} runs, "
+                       f"median |error| {100 * statistics.median(map(abs, errs)):.1f} %")
     return "\n".join(out)
+
+
+def _traced_rows() -> dict[str, tuple[dict, str]]:
+    """The committed accuracy results' rows (verify's simulation of each case's traced step) by their case, with the
+    GPU profile each was traced on."""
+    out = {}
+    for path in sorted((HERE / "accuracy" / "results").glob("accuracy*.json")):
+        doc = json.loads(path.read_text())
+        for r in doc["results"]:
+            case = {k: v for k, v in r["case"].items() if k not in ("device", "fast")}
+            if isinstance(case.get("lora_targets"), list):  # the CLI's comma-separated form, as the runs spell it
+                case["lora_targets"] = ",".join(case["lora_targets"])
+            out[json.dumps(case, sort_keys=True)] = (r, doc["gpu_profile"])
+    return out
+
+
+def traced_now(paths: list[str]) -> str:
+    """Each run's peak reserved beside verify's simulation of the same configuration's traced step (the committed
+    accuracy results, traced on another GPU profile: its cuBLAS workspaces swapped for the run GPU's) and beside
+    this tree's estimate: which of the two the real allocator agrees with. Runs whose configuration has no
+    committed trace are left out and counted."""
+    from memplan.estimator.meters import gpu_workspace
+
+    traced, rows, missing = _traced_rows(), [], 0
+    for p in paths:
+        for r in json.loads(pathlib.Path(p).read_text())["results"]:
+            hit = traced.get(json.dumps(r["case"], sort_keys=True)) if r["returncode"] == 0 else None
+            if hit is None:
+                missing += r["returncode"] == 0
+                continue
+            row, profile = hit
+            task, x = r["verify"]["workload"]["task"], r["expandable_segments"]
+            meter = "peak_reserved (expandable_segments)" if x else "peak_reserved"
+            sim = (next(m["measured_bytes"] for m in row["meters"] if m["meter"] == meter)
+                   - gpu_workspace(memplan.load_gpu(profile), task)
+                   + gpu_workspace(memplan.load_gpu(r["verify"]["gpu"]), task))
+            case = r["case"]
+            est = memplan.estimate(case["model"], r["verify"]["gpu"], expandable_segments=x,
+                                   **{k: v for k, v in case.items() if k != "model"}).peak_reserved_bytes
+            real = _meters(r)["peak_reserved"]["measured_bytes"]
+            rows.append((" ".join(map(str, case.values())), x, sim / real - 1, est / real - 1))
+    lines = ["| configuration | allocator | traced simulation | estimate |", "|---|---|---:|---:|"]
+    lines += [f"| {c} | {'expandable' if x else 'default'} | {100 * s:+.1f} % | {100 * e:+.1f} % |"
+              for c, x, s, e in rows]
+    lines.append("")
+    for x in (False, True):
+        sims, ests = [s for _, m, s, _ in rows if m is x], [e for _, m, _, e in rows if m is x]
+        if sims:
+            lines.append(f"{'expandable' if x else 'default'}, {len(sims)} runs against max_memory_reserved: the "
+                         f"traced simulation a median {100 * statistics.median(map(abs, sims)):.1f} % off, "
+                         f"the estimate "
+                         f"{100 * statistics.median(map(abs, ests)):.1f} %; the estimate closer in "
+                         f"{sum(abs(e) < abs(s) for s, e in zip(sims, ests))}")
+    return "\n".join(lines + [f"{missing} runs without a committed trace of their configuration"])
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """--shard I/N, 0 <= I < N."""
+    try:
+        i, n = map(int, text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be in 0 .. N-1")
+    return i, n
 
 
 def main() -> int:
@@ -313,20 +385,24 @@ def main() -> int:
     ap.add_argument("--summary", nargs="+", metavar="JSON", help="summarise committed results files and exit")
     ap.add_argument("--predicted-now", action="store_true",
                     help="with --summary: each configuration's step time as this tree predicts it, beside the runs")
+    ap.add_argument("--traced-now", action="store_true",
+                    help="with --summary: each run's reserved beside the committed traced simulation of its "
+                         "configuration and this tree's estimate")
     ap.add_argument("--reserved-now", action="store_true",
                     help="with --summary: each run's peak reserved as this tree predicts it, beside the run's")
     ap.add_argument("--grid", choices=list(GRIDS), default="issue",
-                    help="issue: the issue's grid; wide: beyond it; serve: serving steps")
+                    help="issue: the issue's grid; wide: beyond it; serve: serving steps; suite: the accuracy "
+                         "suite's configurations furthest from their traced simulation")
     ap.add_argument("--first", type=int, default=0, help="start at this case of the grid (a lease that ran its head)")
-    ap.add_argument("--shard", default="0/1", metavar="I/N",
+    ap.add_argument("--shard", default=(0, 1), type=_shard, metavar="I/N",
                     help="run the grid's cases I, I+N, I+2N, ... (N processes sharing one GPU: their step times and "
                          "NVML's device used are contended, the per-process allocator meters are not)")
     args = ap.parse_args()
     if args.summary:
-        print(predicted_now(args.summary) if args.predicted_now else reserved_table(reserved_now(args.summary))
-              if args.reserved_now else summary(args.summary))
+        print(predicted_now(args.summary) if args.predicted_now else traced_now(args.summary) if args.traced_now
+              else reserved_table(reserved_now(args.summary)) if args.reserved_now else summary(args.summary))
         return 0
-    shard, shards = map(int, args.shard.split("/"))
+    shard, shards = args.shard
     grid = GRIDS[args.grid][args.first:][shard::shards]
     if args.dry_run:
         dry_run(grid)
@@ -350,7 +426,7 @@ def main() -> int:
         for expandable in MODES:
             results.append(run_one(case, expandable))
             print(row(results[-1]), flush=True)
-            doc = {"command": cmd, "device": device, "stack": stack, "shard": args.shard, "results": results}
+            doc = {"command": cmd, "device": device, "stack": stack, "shard": f"{shard}/{shards}", "results": results}
             out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
             out.with_suffix(".md").write_text(report(results, device, cmd))
             if len(results) >= GIVE_UP and all(r["returncode"] != 0 for r in results[-GIVE_UP:]):

@@ -6,17 +6,19 @@
 #        first lease found under-predicted: T5, GPT-2, bert-large bf16, with Llama-3.2-1B as the GPU-bound baseline)
 #   run: bash benchmarks/gpu_lease.sh serve  carry: .whl        timeout_s: 590   (the second lease's one call: the
 #        serving grid, the profiles of T5, GPT-2 and bert-large, then the wide grid's last 3 cases; 8 files)
-#   run: bash benchmarks/gpu_lease.sh recheck  carry: .whl      timeout_s: 560   (for the next lease: the serving
-#        grid again now that verify builds the weights in their dtype on the GPU (docs/verify.md), where the
-#        second lease's holes set reserved; expected within a few % of the replay: results/gpu_lease2/ says how far)
+#   run: bash benchmarks/gpu_lease.sh recheck  carry: .whl      timeout_s: 560   (the serving grid alone, with
+#        verify building the weights in their dtype on the GPU (docs/verify.md); the third lease ran it inside
+#        `suite`: results/gpu_lease3/serve_grid.json, a median 1.4 % off the replay)
 #   run: bash benchmarks/gpu_lease.sh suite  carry: .whl        timeout_s: 540   (the third lease's one call: the
 #        accuracy suite's cases furthest from the allocator simulation on the real allocator, two shards side by
 #        side, beside the serving grid's recheck, and the allocator's own record of the two worst; results/gpu_lease3/;
 #        the third lease's call left 12 files of which 8 came back, and reran shard 1 for its own: now 7 files)
 # The machine's image holds torch and most of memplan's needs but not pydantic, and an older transformers:
-# .whl (ignored; pip download --no-deps of pydantic, pydantic_core, annotated_types, typing_inspection,
-# typing_extensions and transformers at this machine's versions) travels with the tree. Each step has its own
-# time limit and writes under $OUT as it goes, so a step that fails or runs long leaves the others' results.
+# .whl (ignored) travels with the tree: `pip download --no-deps --python-version 3.12 --only-binary=:all: --platform
+# manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated_types typing_inspection typing_extensions
+# transformers peft`, each at this machine's version (peft for the LoRA cases; the third lease's .whl: 17 MiB).
+# Each step has its own time limit and writes under $OUT as it goes, so a step that fails or runs long leaves the
+# others' results.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_lease}
 mkdir -p "$OUT"

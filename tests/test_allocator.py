@@ -335,13 +335,8 @@ def test_the_simulation_is_torchs_allocator_on_recorded_training_steps(benchmark
         doc = ah.load(ah.HERE.parent / "gpu_lease3" / name)
         trace = doc["device_traces"][0]
         assert doc["report"]["workload"]["expandable_segments"] is expandable
-        live: dict[int, int] = {}
-        for e in trace:
-            if e["action"] == "alloc":
-                live[e["addr"]] = e["size"]
-            elif e["action"] == "free_completed":
-                live.pop(e["addr"], None)
-        assert sorted(live.values())[-2:] == [32 * 2**20] * 2  # what the run still holds: the two workspaces
+        at_end = ah.live_at(trace, len(trace) - 1)
+        assert sorted(at_end.values())[-2:] == [32 * 2**20] * 2  # what the run still holds: the two workspaces
         start = ah.step_start(trace)
         assert start == -1  # training: no release before the steps
         assert ah.packed(trace, start, expandable) == ah.measured(trace, start) == mib * 2**20

@@ -64,7 +64,7 @@ def test_the_hf_docs_v100_readings():
     assert max(map(abs, errs)) < 0.05 and statistics.median(map(abs, errs)) < 0.02, errs
 
 
-def test_the_h200_runs_reserved():
+def test_the_h200_runs_reserved(benchmark_module):
     """The lent H200's 38 runs (benchmarks/results/gpu_lease/gpu_grid*.json, torch 2.11, both allocator modes)
     against this tree's peak reserved (`python benchmarks/gpu_grid.py --summary ... --reserved-now`): a median
     within 2 % (0.8 % when written). One run of the default allocator is off by one segment of the LM loss's size,
@@ -72,15 +72,11 @@ def test_the_h200_runs_reserved():
     9.3 GiB segment the run did not make); each of the others is within 5 % (Llama-3.2-1B b8 s1024 with full
     recompute was -10.3 %, a sixth 4 GiB segment the run made, until full checkpointing's first forward was
     replayed as a prefill: +0.1 %)."""
-    import importlib.util
     import statistics
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("gpu_grid", root / "benchmarks" / "gpu_grid.py")
-    grid = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid)
-    rows = grid.reserved_now(sorted(str(p) for p in (root / "benchmarks/results/gpu_lease").glob("gpu_grid*.json")))
+    runs = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu_lease"
+    rows = benchmark_module("gpu_grid.py").reserved_now(sorted(str(p) for p in runs.glob("gpu_grid*.json")))
     errs = {(r["case"], r["expandable_segments"]): r["predicted"] / r["measured"] - 1 for r in rows}
     assert len(errs) == 38 and all(r["reserved_from"] == "replay" for r in rows)
     assert statistics.median(map(abs, errs.values())) < 0.02
