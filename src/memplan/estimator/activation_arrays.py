@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from memplan.estimator import traced
-from memplan.estimator.activations import ActivationModel, Tensors, is_log_softmax, training_activations
+from memplan.estimator.activations import (ActivationModel, LayerKind, Tensors, is_log_softmax, layer_kinds,
+                                           training_activations)
 from memplan.estimator.rules import FP32, HALF, PRECISIONS
 from memplan.estimator.finetune import (
     LoraActs, Tuning, compute_bytes, lora_acts, records_frozen_blocks, trains_embeddings,
@@ -68,14 +69,22 @@ class ActsKey(NamedTuple):
         # a traced model's transients are the largest of several fitted moments, which is not affine in b
         return not (self.kernels or self.tiled_mlp or self.spec.traced_config)
 
-    def model(self, b: int) -> ActivationModel:
+    def model(self, b: int, kind: LayerKind | None = None) -> ActivationModel:
+        """The model at micro batch b: its lists of the mean layer, or with `kind` of that kind's layers."""
         if self.spec.traced_config:  # a model_type without an analytic model: fitted to traces of it
             return traced.activations(self.trace_key, b, self.seq)
         return training_activations(self.spec, b, self.seq, PRECISIONS[self.precision],
                                     "eager" if self.eager else "sdpa", selective=self.grad_ckpt == "selective",
                                     kv_cache=self.grad_ckpt != "full", fused_loss=self.kernels,
                                     tiled_mlp=self.tiled_mlp, lora=self.lora, embed_grad=self.embed_grad,
-                                    frozen_blocks=self.frozen_blocks)
+                                    frozen_blocks=self.frozen_blocks, kind=kind)
+
+    def layer_models(self, b: int) -> tuple[ActivationModel, ...]:
+        """Each layer's own model (one per kind, shared by its layers) where the layers differ
+        (activations.layer_kinds; a traced model has the mean layer only), else ()."""
+        kinds = () if self.spec.traced_config else layer_kinds(self.spec)
+        models = {k: self.model(b, k) for k in dict.fromkeys(kinds)}
+        return tuple(models[k] for k in kinds)
 
 
 class Units(NamedTuple):

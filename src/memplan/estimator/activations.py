@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import NamedTuple
 
 from memplan.estimator.families import GATED_ACT_KERNEL, embedding_layernorm, family
 from memplan.estimator.finetune import AdapterInput, LoraActs
@@ -93,10 +94,68 @@ class ActivationModel:
     # (_eager_core_sequence; under selective recomputation its no-grad run, _selective_core_sequence, and its
     # recompute in backward, "layer_core"), its other lists replayed in their order
     sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # the index in `layer` the MLP's weights' autocast casts are made before (LayerOrder.mlp; 0: with the block's
+    # other casts, at its start), and the routed experts' (LayerOrder.experts)
+    mlp_start: int = 0
+    experts_start: int = 0
+    # the attention masks a decoder's forward makes once for its layers and frees as it returns, before the head,
+    # where no checkpoint holds them (checkpoint_masks; traced, llama4-small bf16 eager: the chunked and the full
+    # layers' fp32 masks, 2 MiB each, made before the first layer and freed after the last); the replay's
+    forward_masks: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
     return sum(t.total for t in ts)
+
+
+LOCAL_ATTENTION = ("sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class Transient:
+    """A storage a layer's forward makes beside what autograd saves and frees before the layer returns: born
+    right after entry `after` of the layer's list, dead right after entry `until` (entries by identity). The sums
+    of the step count them in the forward's working set; the replay (timeline.py) makes them in order, where
+    they decide which segments the saved tensors after them land in."""
+
+    nbytes: float
+    after: Tensors
+    until: Tensors
+
+
+@dataclass
+class LayerOrder:
+    """What a layer's forward does beside making its saved list, in order, for the replay (timeline.py); _layer
+    fills it in."""
+
+    transients: list[Transient] = field(default_factory=list)
+    # the MLP's first saved entry: the MLP's weights' autocast casts are made as it starts, after the attention's
+    # tensors; the routed experts' as their matmul runs, before their first (traced, llama4-small bf16 eager: the
+    # experts' 2 MiB gate_up cast after the router's tensors and the experts' input)
+    mlp: Tensors | None = None
+    experts: Tensors | None = None
+
+
+class LayerKind(NamedTuple):
+    """One layer of a stack whose layers differ (ModelSpec.dense_layer_ids, layer_types, qk_norm_layer_ids). The
+    step's sums take the mean layer (a list at each kind's share of the layers, the total over the layers exact);
+    the replay (timeline.py) makes each layer's own tensors, whose sizes decide how they pack into segments."""
+
+    moe: bool  # its MLP is the routed experts' (else the dense MLP, intermediate_size wide)
+    local: bool  # its attention is sliding or chunked: SDPA gets a materialised mask (_sdpa_mask_terms)
+    qk_norm: bool  # it runs the family's q/k norm (Llama 4: its RoPE layers)
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[LayerKind, ...]:
+    """Each layer's kind in a decoder-only (or encoder) stack whose layers differ; () where they are alike, or in
+    an encoder-decoder (one kind a stack)."""
+    if spec.arch == "encoder-decoder":
+        return ()
+    types, qk = spec.layer_types, spec.qk_norm_layer_ids
+    kinds = tuple(LayerKind(spec.is_moe and i not in spec.dense_layer_ids,
+                            types[i] in LOCAL_ATTENTION if len(types) == spec.num_layers else True,
+                            qk is None or i in qk) for i in range(spec.num_layers))
+    return kinds if len(set(kinds)) > 1 else ()
 
 
 def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
@@ -114,7 +173,7 @@ def _norm(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
             Tensors("rmsnorm rstd", FP32 * T, rep=True)]
 
 
-def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+def _qk_norms(spec: ModelSpec, T: int, prec: Precision, kind: LayerKind | None = None) -> list[Tensors]:
     """Saved by the RMSNorms on the query and key projections (families.Family.qk_norm), over q's a*d and
     k's k*d values per token. Each upcasts the projection's output: pow and the rstd multiply save the fp32
     copy (the output itself in an fp32 model), the multiply saves rstd (per head and token for a per-head norm,
@@ -123,7 +182,7 @@ def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     5.23 models/qwen3/modeling_qwen3.py Qwen3Attention.forward, models/olmo2/modeling_olmo2.py
     Olmo2Attention.forward. RoPE after it saves only cos and sin (shared by the layers)."""
     fam = family(spec.model_type)
-    if fam.qk_norm is None or spec.qk_norm_layers == 0:
+    if fam.qk_norm is None or spec.qk_norm_layers == 0 or (kind is not None and not kind.qk_norm):
         return []
     a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     normalised = FP32 if fam.norm_weight_fp32 else prec.act
@@ -133,7 +192,7 @@ def _qk_norms(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     rep = not per_head
     # Llama 4's L2 norm (Llama4TextL2Norm: x.float() * rsqrt(mean(x^2) + eps), type_as back) has no weight, so no
     # normalised tensor; it runs on the RoPE layers only: the mean layer takes their share
-    share = 1.0 if spec.qk_norm_layers is None else spec.qk_norm_layers / spec.num_layers
+    share = 1.0 if spec.qk_norm_layers is None or kind is not None else spec.qk_norm_layers / spec.num_layers
     out: list[Tensors] = []
     for name, heads in (("q", a), ("k", k)):
         out += [Tensors(f"{name}_norm fp32 input", share * FP32 * heads * d * T, rep=rep),
@@ -162,7 +221,7 @@ def _linear_inputs(n_linears: int, width: int, T: int, prec: Precision, name: st
 
 
 def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, attn: str,
-               selective: bool = False, kv_cache: bool = False) -> list[Tensors]:
+               selective: bool = False, kv_cache: bool = False, kind: LayerKind | None = None) -> list[Tensors]:
     """Saved by one attention block after its input projection: q, k, v, the core, the output input.
     Tensors of kind CORE belong to the attention core (QK^T, softmax, dropout, PV), which selective
     recomputation (Korthikanti et al. 2022, section 5) drops and rebuilds in backward; the core's inputs
@@ -202,7 +261,7 @@ def _attention(spec: ModelSpec, b: int, s_q: int, s_kv: int, prec: Precision, at
         # The kernel's saved output is laid out (b, s, heads, d), so transpose(1, 2).contiguous() is a
         # view and the o_proj input below is the same storage: counted once, as the context (traced).
         out += [Tensors("core: logsumexp", FP32 * b * a * s_q, kind=TensorKind.CORE)]
-        out += _sdpa_mask_terms(spec, b, s_q, s_kv, p)
+        out += _sdpa_mask_terms(spec, b, s_q, s_kv, p, kind)
         if spec.position == "relative" and prec.autocast:
             # T5 passes its position bias (1 x heads x s_q x s_kv, shared by the layers) to SDPA as a
             # float attn_bias; autocast casts it per call and the memory-efficient kernel saves the cast.
@@ -302,19 +361,20 @@ def sdpa_masked(spec: ModelSpec, s_kv: int) -> bool:
     return rule == "always" or (rule == "window" and window is not None and window <= s_kv)
 
 
-def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int) -> list[Tensors]:
+def _sdpa_mask_terms(spec: ModelSpec, b: int, s_q: int, s_kv: int, p: int,
+                     kind: LayerKind | None = None) -> list[Tensors]:
     """What a materialised mask adds to an SDPA layer: the additive mask the memory-efficient kernel saves
     (b x 1 x s_q x s_kv in the query's dtype, made from the boolean mask by each call: torch's
     convert_boolean_attn_mask) and, where the kv heads are fewer, k and v repeated to every head before the
     kernel (transformers 5.23 integrations/sdpa_attention.py repeat_kv; FalconAttention's multi-query k, v, which
     the memory-efficient kernel takes only at the query's heads), saved by the kernel (traced)."""
-    if not sdpa_masked(spec, s_kv):
+    if not sdpa_masked(spec, s_kv) or (kind is not None and not kind.local):
         return []
     a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    # where layer_types mix sliding and full layers (Gemma 3), only the sliding ones get the mask: the layer list
-    # is the layers' mean (the step multiplies it by the layer count), so these terms take the sliding share
-    local = sum(t in ("sliding_attention", "chunked_attention") for t in spec.layer_types)
-    share = local / len(spec.layer_types) if spec.layer_types else 1.0
+    # where layer_types mix sliding and full layers (Gemma 3), only the sliding ones get the mask: the mean layer
+    # (the step multiplies it by the layer count) takes the sliding share
+    local = sum(t in LOCAL_ATTENTION for t in spec.layer_types)
+    share = local / len(spec.layer_types) if spec.layer_types and kind is None else 1.0
     out = [Tensors("core: SDPA additive mask (query dtype)", share * p * b * s_q * s_kv, kind=TensorKind.CORE)]
     if a != k:
         out.append(Tensors("core: k, v repeated to all heads", share * p * a * d * b * s_kv, 2, kind=TensorKind.CORE))
@@ -377,14 +437,23 @@ def is_log_softmax(t: Tensors) -> bool:
     return t.kind is TensorKind.LOG_SOFTMAX
 
 
-def _mlp(spec: ModelSpec, tokens: int, prec: Precision, width: int = 0) -> list[Tensors]:
-    """Saved by the MLP after its input projection(s), for `tokens` tokens, `width` wide (0: the dense MLP's)."""
+def _mlp(spec: ModelSpec, tokens: int, prec: Precision, width: int = 0, fused: bool = False) -> list[Tensors]:
+    """Saved by the MLP after its input projection(s), for `tokens` tokens, `width` wide (0: the dense MLP's).
+    fused: gate and up are the halves of one gate_up output (transformers 5's fused experts: MixtralExperts,
+    Llama4TextExperts, ... `gate, up = gate_up.chunk(2, dim=-1)`), views that keep its storage, 2f wide, alive:
+    where the activation saves only its input (gate), that storage is all the two leave (traced, llama4-small
+    bf16: one 8 MiB gate_up storage beside the 4 MiB act(gate) and product, where separate gate and up had been
+    counted)."""
     f, p, h = width or spec.intermediate_size, prec.act, spec.hidden_size
     # what the activation function saves (its input, or the pieces of a Python-composed GELU)
     saves = [Tensors("act input / saved pieces", w * f * tokens)
              for w in activation_saved_bytes(spec.activation, p, prec.autocast)]
     out: list[Tensors] = []
-    if spec.mlp == "gated":
+    if spec.mlp == "gated" and fused and ACTIVATION_SAVES.get(spec.activation, ("act",)) == ("act",):
+        out += [Tensors("gate_up output (gate and up, its views)", 2 * p * f * tokens),
+                Tensors("act output", p * f * tokens),
+                Tensors("gate*up (down input)", p * f * tokens, kind=TensorKind.WEIGHT_INPUT)]
+    elif spec.mlp == "gated":
         out += saves + [Tensors("act output, up output", p * f * tokens, 2),
                         Tensors("gate*up (down input)", p * f * tokens, kind=TensorKind.WEIGHT_INPUT)]
     else:
@@ -403,7 +472,7 @@ def _mlp(spec: ModelSpec, tokens: int, prec: Precision, width: int = 0) -> list[
     return out
 
 
-def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+def _moe(spec: ModelSpec, T: int, prec: Precision, order: LayerOrder | None = None) -> list[Tensors]:
     """Top-K routing (transformers Mixtral): router softmax in fp32, each token's hidden state gathered
     for each of its K experts, the expert MLP on K*T tokens, the weighted expert output."""
     h, E, K, r = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual
@@ -414,12 +483,14 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     experts = _linear_inputs(n_in, h, routed, prec, "expert inputs")
     if not prec.autocast:
         experts = [Tensors("expert inputs (gathered)", r * h * routed, rep=True)]
-    experts += _mlp(spec, routed, prec, spec.expert_width)
     extra = family(spec.model_type).expert_act_extra
+    mlp = _mlp(spec, routed, prec, spec.expert_width, fused=not extra)
+    experts += mlp
     if extra:
         experts.append(Tensors("experts' composed activation pieces", prec.residual * spec.expert_width * routed,
                                extra))
-    experts.append(Tensors("expert output (weighted)", prec.act * h * routed, rep=True))
+    output = Tensors("expert output (weighted)", prec.act * h * routed, rep=True)
+    experts.append(output)
     if prec.autocast and prec.param == FP32 and biased_experts(spec):
         # GptOssExperts adds an fp32 bias to each expert matmul's half output (current_state @ W[e] + bias[e]),
         # which promotes gate_up (2f) and the down output (h) to fp32: the saved gate_up halves and the weighted
@@ -427,7 +498,18 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
         # half base (LoRA) the bias is half and promotes nothing
         experts.append(Tensors("biased experts' outputs promoted to fp32", (FP32 - prec.act)
                                * (2 * spec.expert_width + h) * routed, rep=True))
-    out += experts if not expert_loop(spec, prec) else [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
+    if expert_loop(spec, prec):
+        experts = [replace(t, nbytes=t.nbytes / E, count=t.count * E) for t in experts]
+    elif order is not None:  # a grouped matmul's casts are made as it runs (the loop's are per expert)
+        order.experts = mlp[0]
+        # transformers 5.24 integrations/moe.py grouped_mm_experts_forward: the output times the routing weights,
+        # then its copy back in token order (weighted_out[inv_perm], the product dying with its name), freed as the
+        # experts return their sum (traced, glm4_moe-small bf16-pure: two 4 MiB storages before the shared experts)
+        w = FP32 if family(spec.model_type).moe_router_fp32 else prec.act  # fp32 routing weights promote it
+        order.transients += [Transient(w * h * routed, output, output) for _ in range(2)]
+        if w != prec.act:  # the sum over each token's experts, in fp32, before its cast to the hidden dtype
+            order.transients.append(Transient(w * h * T, output, output))
+    out += experts
     if spec.shared_expert_intermediate_size:
         # the shared expert(s) every token runs beside the routed ones: one dense MLP of their total width
         # (DeepseekV3MoE / Glm4MoeMoE shared_experts, Llama4TextMoe shared_expert)
@@ -437,7 +519,7 @@ def _moe(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     return out
 
 
-def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision, order: LayerOrder | None = None) -> list[Tensors]:
     """Llama4TextMoe (transformers 5.24 models/llama4/modeling_llama4.py), R = E * T rows:
     - the router (Llama4Router, a Linear over the norm output), the shared expert's gate_proj and up_proj read
       the same input: three half casts under autocast, else the norm output once;
@@ -449,17 +531,30 @@ def _moe_all_experts(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
     - Llama4TextExperts: the gated MLP over all R rows (gate_up, act(gate), the product before down_proj); its
       output is summed over the experts (reshape(E, T, h).sum(0)) and added in place to the shared expert's,
       neither saving anything;
-    - the shared expert (Llama4TextMLP) on the T tokens."""
+    - the shared expert (Llama4TextMLP) on the T tokens.
+    order: where given, the forward's own storages are added to its transients (Transient): under autocast the fp32
+    product (its half cast is what the bmm saves), the experts' output (R x h) and its sum over the experts, all
+    freed as Llama4TextMoe.forward returns (traced, llama4-small bf16 b2 s512: the 8 MiB product and the 4 MiB
+    output, freed after the shared expert)."""
     h, E, K, r, p = spec.hidden_size, spec.num_experts, spec.experts_per_token, prec.residual, prec.act
     R = E * T
     out = _linear_inputs(3, h, T, prec, "router, shared gate / up input")
+    repeated = Tensors("hidden states repeated per expert", r * h * R, rep=True)
     out += [Tensors("router top-k indices (int64)", 8 * K * T, rep=True),
             Tensors("router sigmoid output", FP32 * E * T, rep=True),
-            Tensors("router scores (the multiply's copy)", p * E * T, rep=True),
-            Tensors("hidden states repeated per expert", r * h * R, rep=True)]
-    out += _linear_inputs(1, h, R, prec, "experts' input (scaled copies)")
-    out += _mlp(spec, R, prec, spec.expert_width)
-    out += _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
+            Tensors("router scores (the multiply's copy)", p * E * T, rep=True), repeated]
+    scaled = _linear_inputs(1, h, R, prec, "experts' input (scaled copies)")
+    experts = _mlp(spec, R, prec, spec.expert_width, fused=True)
+    if order is not None:
+        order.experts = experts[0]
+    out += scaled + experts + _mlp(spec, T, prec, spec.shared_expert_intermediate_size)
+    if order is not None:
+        last = out[-1]
+        # the experts' sum, added into the shared expert's output
+        order.transients += [Transient(p * h * T, last, last)]
+        if scaled[0].uncast:  # the product the bmm casts
+            order.transients.append(Transient(scaled[0].uncast, repeated, last))
+        order.transients.append(Transient(p * h * R, experts[-1], last))
     return out
 
 
@@ -483,13 +578,21 @@ def routed_rows(spec: ModelSpec, T: int) -> int:
     return T * (spec.num_experts if family(spec.model_type).moe_all_experts else spec.experts_per_token)
 
 
-def _moe_layers(spec: ModelSpec, T: int, prec: Precision) -> list[Tensors]:
+def _moe_layers(spec: ModelSpec, T: int, prec: Precision, kind: LayerKind | None = None,
+                order: LayerOrder | None = None) -> list[Tensors]:
     """The MLP part of the mean layer of a MoE model: its routed layers' terms and, where the first layers (or
     mlp_only_layers) are dense, theirs, each at its share of the layers (Tensors.nbytes may be fractional; the
     step multiplies the mean layer by the layer count, so the total over the layers is exact; one layer's
-    recomputation under full checkpointing and a pipeline stage's share take the mean)."""
-    moe = (_moe_all_experts if family(spec.model_type).moe_all_experts else _moe)(spec, T, prec)
-    if not spec.dense_layers:
+    recomputation under full checkpointing and a pipeline stage's share take the mean); a layer of `kind`: its own.
+    order: a whole layer's order (LayerOrder), where the layer is not a mean."""
+    if kind is not None and not kind.moe:
+        return _mlp_block(spec, T, prec)
+    whole = not spec.dense_layers or kind is not None
+    if family(spec.model_type).moe_all_experts:
+        moe = _moe_all_experts(spec, T, prec, order if whole else None)
+    else:
+        moe = _moe(spec, T, prec, order if whole else None)
+    if whole:
         return moe
     share = spec.moe_layers / spec.num_layers
     return [replace(t, nbytes=t.nbytes * share) for t in moe] + [
@@ -503,7 +606,8 @@ def norms_per_layer(spec: ModelSpec, cross_attending: bool = False) -> int:
 
 
 def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder: bool = False,
-           s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False) -> list[Tensors]:
+           s_enc: int = 0, selective: bool = False, kv_cache: bool = False, tiled_mlp: bool = False,
+           kind: LayerKind | None = None, order: LayerOrder | None = None) -> list[Tensors]:
     h, T, fam = spec.hidden_size, b * s, family(spec.model_type)
     n_norms = norms_per_layer(spec, decoder)
     if tiled_mlp and not spec.is_moe:  # the norms inside the tiled region keep nothing
@@ -515,13 +619,14 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
         out += _mla_attention(spec, b, s, prec, attn, selective)
     else:
         out += _linear_inputs(fam.qkv_linears, h, T, prec, "qkv input")
-        out += _qk_norms(spec, T, prec)
-        out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder")
+        out += _qk_norms(spec, T, prec, kind)
+        out += _attention(spec, b, s, s, prec, attn, selective, kv_cache and spec.arch == "decoder", kind)
     if decoder:  # cross-attention: q from the decoder, k/v from the encoder output
         out += _linear_inputs(1, h, T, prec, "cross q input")
         out += _attention(spec, b, s, s_enc, prec, attn, selective)
+    mlp_at = len(out)
     if spec.is_moe:
-        out += _moe_layers(spec, T, prec)
+        out += _moe_layers(spec, T, prec, kind, order)
     elif tiled_mlp:
         # memplan.kernels.mlp.tiled_mlp: the MLP runs without autograd and keeps only its input (the
         # norm output, in the residual dtype)
@@ -529,6 +634,8 @@ def _layer(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, decoder:
             out.append(Tensors("tiled mlp input", prec.residual * h * T, rep=True))
     else:
         out += _mlp_block(spec, T, prec)
+    if order is not None and mlp_at < len(out):
+        order.mlp = out[mlp_at]
     return out
 
 
@@ -572,13 +679,19 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
 
 
 def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
-                    tiled_mlp: bool = False) -> list[Tensors]:
+                    tiled_mlp: bool = False, kind: LayerKind | None = None) -> list[Tensors]:
     """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
     gradient it produces (eager attention: dP and dS over the s x s scores, GPT-OSS's with the sink column; else
-    the MLP's dA, dB, or the tiled MLP's recomputed chunk)."""
+    the MLP's dA, dB, or the tiled MLP's recomputed chunk). A MoE model's: a routed layer's experts' or a dense
+    layer's MLP's, by `kind`; the mean layer takes the larger (the peak is the worst layer's: DeepSeek-V3-MoE small's
+    dense layer 0 has four times its routed layer's)."""
     T, p = b * s, prec.act
-    f_tokens, f = (routed_rows(spec, T), spec.expert_width) if spec.is_moe else (T, spec.intermediate_size)
-    mlp = [Tensors("mlp grad buffers", p * f * f_tokens, 2)]
+    shapes = []  # (rows, width) of the MLPs this layer may be
+    if spec.is_moe and (kind is None or kind.moe):
+        shapes.append((routed_rows(spec, T), spec.expert_width))
+    if not spec.is_moe or (kind is None and spec.dense_layers) or (kind is not None and not kind.moe):
+        shapes.append((T, spec.intermediate_size))
+    mlp = max(([Tensors("mlp grad buffers", p * f * rows, 2)] for rows, f in shapes), key=total)
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
@@ -758,20 +871,22 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
                          sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False,
                          lora: LoraActs | None = None, embed_grad: bool = True,
-                         frozen_blocks: bool = False) -> ActivationModel:
+                         frozen_blocks: bool = False, kind: LayerKind | None = None) -> ActivationModel:
     """selective: the layers keep everything but their attention core (Megatron selective recompute).
     kv_cache: the model runs with use_cache (transformers turns it off under gradient checkpointing).
     tp, sp: one tensor-parallel rank's share (`shard`). fused_loss, tiled_mlp: memplan.kernels' loss
     and MLP. lora: the base is frozen and these adapters are trained (estimator/finetune.py);
     embed_grad: the embeddings' output requires a gradient (else their list is empty); frozen_blocks
-    (freeze): autograd records frozen blocks too (their lists: frozen_block)."""
+    (freeze): autograd records frozen blocks too (their lists: frozen_block). kind: the layer lists of one kind of
+    layer (layer_kinds), else the mean layer."""
     if spec.arch == "vision":
         s = spec.seq_positions
     T = b * s
     # the attention core is rebuilt in backward only under selective recomputation
-    whole = _layer(spec, b, s, prec, attn) if selective else []
-    core = [t for t in whole if is_core(t)]
-    block = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp)
+    whole = _layer(spec, b, s, prec, attn, kind=kind) if selective else []
+    order = LayerOrder()
+    block = _layer(spec, b, s, prec, attn, selective=selective, kv_cache=kv_cache, tiled_mlp=tiled_mlp, kind=kind,
+                   order=order)
     dec_block = _layer(spec, b, s, prec, attn, decoder=True, s_enc=s, selective=selective) \
         if spec.num_decoder_layers else []
     layer, dec = _tuned(block, lora), _tuned(dec_block, lora)
@@ -783,31 +898,56 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
             layer.append(Tensors("lora: merged expert weights (W + B A)", lora.merged_experts))
         dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
         saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora)
-    if selective:  # the core's no-grad run in the forward, and its recompute in backward, each in eager order
-        sequences = _selective_core_sequence(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp)
-        sequences["layer_core"] = _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])
-    else:
-        sequences = _eager_core_sequence(spec, layer, b, s, prec, attn, tp)
+    kept = _kept_at(block, layer)
+    masks = checkpoint_masks(spec, b, s, prec, attn)
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
         # full checkpointing (kv_cache off) keeps the masks with the layers' inputs, and selective recomputation with
         # the checkpointed cores' inputs, on the first stage's list (traced: qwen3-small eager selective -1.15 ->
         # -0.14 %)
-        embed=shard((_embeddings(spec, b, s, prec) if embed_grad else [])
-                    + ([] if kv_cache and not selective else checkpoint_masks(spec, b, s, prec, attn)), tp, sp),
+        embed=shard((_embeddings(spec, b, s, prec) if embed_grad else []) + ([] if kv_cache and not selective else masks),
+                    tp, sp),
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
-        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp) + (
+        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp, kind) + (
             [Tensors("quantised weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []), tp, sp),
-        layer_core=shard(core, tp, sp),
+        layer_core=shard([t for t in whole if is_core(t)], tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
-        sequences=sequences,
+        sequences=_sequences(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp, (block, kept, order.transients)),
+        mlp_start=_start_of(order.mlp, block, layer, kept),
+        experts_start=_start_of(order.experts, block, layer, kept),
+        forward_masks=shard([] if selective or not kv_cache else masks, tp, sp),
     )
+
+
+def _sequences(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int, prec: Precision,
+               attn: str, tp: int, transients: tuple) -> dict[str, list[tuple[int, float]]]:
+    """A block's sequences (ActivationModel.sequences): eager attention's core in the block's forward, or under
+    selective recomputation (`whole`: the layer's list without it) the core's no-grad run in the forward and its
+    recompute in backward, each in eager order; then the layer's transients (_with_transients's arguments)."""
+    if whole:
+        out = _selective_core_sequence(spec, whole, layer, b, s, prec, attn, tp)
+        core = [t for t in whole if is_core(t)]
+        out["layer_core"] = _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])
+    else:
+        out = _eager_core_sequence(spec, layer, b, s, prec, attn, tp)
+    block, kept, born = transients
+    if born:
+        out["layer_forward"] = _with_transients(out.get("layer_forward", []), block, layer, kept, born)
+    return out
+
+
+def _start_of(entry: Tensors | None, block: list[Tensors], layer: list[Tensors], kept: list[int]) -> int:
+    """The index in `layer` of `entry` of `block`, or of the first kept entry after it (_kept_at); 0: none."""
+    if entry is None:
+        return 0
+    j = kept[next(i for i, t in enumerate(block) if t is entry)]
+    return j if j >= 0 and layer[j] is entry else j + 1
 
 
 def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, prec: Precision, attn: str,
@@ -859,7 +999,8 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
     copy = sm == FP32 and width != FP32
     seq += ([(3, FP32 * scores)] if copy else []) + softmax + ([(~3, 0.0)] if copy else [])
     half_query = query_width(spec, p, prec.residual) == HALF  # a LoRA's half base: half (traced, deepseek_v3 LoRA)
-    if decoder and half_query:
+    # only where the softmax casts back to the query's dtype (not Llama 4's: traced, the masked scores die first)
+    if decoder and half_query and fam.softmax_fp32:
         # the masked scores die as their name is rebound to the probabilities, before the PV matmul copies MLA's
         # strided value (the core's last entry there)
         value = rest[-1:] if spec.is_mla else []
@@ -869,6 +1010,40 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
         later = [(SAVED - k, 0.0) for k in range(core[-1] + 1, len(layer))]
         return {"layer_forward": seq + [(4, sm * scores)] + rest + later + [(~4, 0.0)]}
     return {"layer_forward": seq + rest}
+
+
+def _kept_at(block: list[Tensors], layer: list[Tensors]) -> list[int]:
+    """For each entry of `block`, the index in `layer` (block less a frozen base's filter, frozen_block, plus
+    adapters' terms after it) of the last entry at or before it that the filter kept (-1: none)."""
+    at, j = [], -1
+    for t in block:
+        if j + 1 < len(layer) and layer[j + 1] is t:
+            j += 1
+        at.append(j)
+    return at
+
+
+def _with_transients(seq: list[tuple[int, float]], block: list[Tensors], layer: list[Tensors], at: list[int],
+                     transients: list[Transient]) -> list[tuple[int, float]]:
+    """A block's forward sequence (possibly empty) with the layer's transients born and freed at their entries:
+    every entry of `layer` from the first transient's (or past the sequence's last marker) on gets a marker, and a
+    transient's birth and death follow the markers of its entries. `block`: the list the transients' entries are
+    in (the layer before a frozen base's filter, frozen_block); an entry the filter left out stands for the last
+    one before it that stayed (at: _kept_at)."""
+    index = {id(t): i for i, t in enumerate(block)}
+    born = [at[index[id(x.after)]] for x in transients]
+    dies = [at[index[id(x.until)]] for x in transients]
+    marked = {SAVED - n for n, _ in seq if n <= SAVED}
+    start = max(marked) + 1 if marked else max(0, min(born))
+    fresh = 1 + max((n for n, _ in seq if n >= 0), default=-1)
+    ops = seq + [(SAVED - k, 0.0) for k in range(start, len(layer))]
+    out: list[tuple[int, float]] = []
+    for n, nbytes in ops:
+        out.append((n, nbytes))
+        k = SAVED - n if n <= SAVED else None
+        out += [(fresh + i, x.nbytes) for i, x in enumerate(transients) if born[i] == k]
+        out += [(~(fresh + i), 0.0) for i in range(len(transients)) if dies[i] == k]
+    return out
 
 
 def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int,

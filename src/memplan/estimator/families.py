@@ -65,8 +65,9 @@ class Family:
     # cos / sin tables the model's forward computes once and holds through the layers: Gemma 3 has a global and a
     # local rotary embedding (Gemma3TextModel: position embeddings per layer type, rope_local_base_freq)
     rope_tables: int = 1
-    # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits), so the weighted expert
-    # outputs are fp32; Mixtral's and Qwen3-MoE's cast them to the hidden dtype first
+    # The router's top-k weights stay fp32 (DeepseekV3TopkRouter: sigmoid of fp32 logits; MixtralTopKRouter: softmax
+    # of router_logits.float(), renormalised), so the weighted expert outputs are fp32 (traced, mixtral-small
+    # bf16-pure: 4 MiB beside the 2 MiB bf16 output); Qwen3-MoE's casts them to the logits' dtype first
     moe_router_fp32: bool = False
     # Every token runs through every expert (Llama4TextMoe: the hidden states repeated num_experts times, each
     # copy scaled by its sigmoid router score, zero off the top-k, and one bmm per expert over all tokens), so the
@@ -212,8 +213,8 @@ FAMILIES: dict[str, Family] = {
     # first (transformers_weight_conversion.py _convert_peft_config_moe turns target_modules=None into an
     # empty set), so the default is never applied and get_peft_model raises "No `target_modules` passed"
     # (tests/test_finetune.py checks it still does)
-    "mixtral": Family(**_ROTARY_GATED, z3_leaf="mlp", lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"),
-                                                           ("w2", "down"))),
+    "mixtral": Family(**_ROTARY_GATED, z3_leaf="mlp", moe_router_fp32=True,
+                      lora_fused_experts=(("gate", "router"), ("w1", "gate_up"), ("w3", "gate_up"), ("w2", "down"))),
     "qwen2": Family(**_ROTARY_GATED, lora_targets=_QV, **_KERNELS),
     # Glm4MoeMoE: DeepSeek-V3's MoE (sigmoid router in fp32 with group-limited top-k, a shared expert,
     # first_k_dense_replace dense layers) under llama-style attention with partial rotary (and an optional per-head

@@ -31,6 +31,8 @@ from memplan.inputs.workload import Workload
 
 STEPS = 2
 MICRO_BATCHES = 2
+# the parameter categories of a block's MLP: their weights' autocast casts are made as the MLP starts
+MLP_SIDE = ("mlp", "experts", "router")
 
 
 class ReplayKey(NamedTuple):
@@ -199,19 +201,21 @@ class _Block(NamedTuple):
     saved: list[Tensors]  # what autograd keeps (a frozen block's list under freeze; empty when not recorded)
     groups: list[tuple[int, int]]  # (group index, tensors of it in this block)
     recorded: bool  # autograd records it: it has a backward
+    am: ActivationModel  # its layer's own lists (ActsKey.layer_models), else the mean layer's
 
 
-def spread(count: int, blocks: range) -> dict[int, int]:
-    """`count` tensors of a group over `blocks`, as evenly as they go (a group only the first block has, e.g.
-    T5's relative_attention_bias: the first)."""
+def spread(count: int, blocks: range | list[int]) -> dict[int, int]:
+    """`count` tensors of a group over `blocks`, as evenly as they go."""
     share = [count // len(blocks) + (j < count % len(blocks)) for j in range(len(blocks))]
     return {b: n for b, n in zip(blocks, share) if n}
 
 
-def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: ActivationModel) -> list[_Block]:
+def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], mean: ActivationModel,
+                layers: tuple[ActivationModel, ...] = ()) -> list[_Block]:
     """Each block's saved list and parameter tensors, encoder (or decoder-only) blocks first. freeze trains the
     last K blocks of the stack next to the head (finetune.tuned_params splits its groups so); the frozen blocks
-    before them are recorded only when a trained embedding makes their input require a gradient."""
+    before them are recorded only when a trained embedding makes their input require a gradient. layers: each
+    encoder (or decoder-only) layer's own model where the layers differ, else every block takes the mean one."""
     enc, dec = spec.num_layers, spec.num_decoder_layers
     stacks = {"encoder": range(enc), "decoder": range(enc, enc + dec)}
     trained = trained_blocks(spec, t) if t.method == "freeze" else stack_blocks(spec)
@@ -221,15 +225,19 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
     for i, g in enumerate(groups):
         if "*" not in g.module:  # outside the blocks: the embeddings, the head, a final norm
             continue
-        blocks = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
+        stack = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
+        blocks: range | list[int] = stack
         if t.method == "freeze" and head_stack(spec, g.module) and not under(g.module, t.modules_to_save):
             blocks = trained_range if g.trainable else range(head.start, trained_range.start)
-        for b, n in spread(g.count, blocks).items():
+        # the blocks that hold it (a MoE model's experts, its dense layers' MLP, T5's relative_attention_bias)
+        held = [b for b in blocks if b - stack.start in g.layers]
+        for b, n in spread(g.count, held or blocks).items():
             per[b].append((i, n))
     frozen_recorded = records_frozen_blocks(spec, t)
     out = []
     for b in range(enc + dec):
         decoder = b >= enc
+        am = layers[b] if b < len(layers) else mean
         # freeze: a block of the stack next to the head before the trained ones, or an encoder-decoder's encoder
         frozen = t.method == "freeze" and (b not in trained_range if b in head else True)
         if not frozen:
@@ -238,7 +246,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], am: 
             saved = am.frozen_decoder_layer if decoder and am.frozen_decoder_layer else am.frozen_layer
         else:
             saved = []
-        out.append(_Block(saved, per[b], not frozen or frozen_recorded))
+        out.append(_Block(saved, per[b], not frozen or frozen_recorded, am))
     return out
 
 
@@ -252,7 +260,10 @@ class _Step:
         self.rule = OPTIMIZERS[k.optim]
         self.groups = tuned_params(k.spec, k.tuning)
         self.am: ActivationModel = k.acts.model(k.micro_batch)
-        self.blocks = block_table(k.spec, k.tuning, self.groups, self.am)
+        # MoE models with dense layers, Gemma 3's and Llama 4's local and global layers: each its own tensors (the
+        # mean layer's averaged sizes packed into fewer segments: Llama 4 small bf16-pure SDPA -9.4 % under the
+        # allocator simulation of its trace, benchmarks/accuracy/results/accuracy.md)
+        self.blocks = block_table(k.spec, k.tuning, self.groups, self.am, k.acts.layer_models(k.micro_batch))
         # the embedding matrix a tied LM head uses (None: no tied head)
         self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
             if tied_head(k.spec) else None
@@ -336,42 +347,71 @@ class _Step:
                 self.micro_batch()
             self.optimizer_step(first=step == 0)
 
-    def ordered(self, name: str, saved: list[Tensors], marked: bool = True) -> dict[int, list[int]]:
+    def ordered(self, name: str, saved: list[Tensors], marked: bool = True, am: ActivationModel | None = None,
+                before: dict | None = None) -> dict[int, list[int]]:
         """`saved` made in the order of sequence `name` (ActivationModel.sequences; marked: its markers name these
         tensors): the unmarked ones before the first marked first, the sequence's own storages made and freed as it
-        goes, the unmarked rest after it; without a sequence, `saved` in list order. Each entry's keys by index."""
-        seq = self.am.sequences.get(name, [])
+        goes, the unmarked rest after it; without a sequence, `saved` in list order; am: the block's model, else the
+        step's; before: k -> a call made just before entry k (at the end if none is). Each entry's keys by index."""
+        seq = (am or self.am).sequences.get(name, [])
         marks = {SAVED - n for n, _ in seq if n <= SAVED}
         if not marked or not marks <= set(range(len(saved))):
             seq, marks = [(n, b) for n, b in seq if n > SAVED], set()
         first_marked = min(marks, default=len(saved))
-        keys = {k: self.tensors([t]) for k, t in enumerate(saved) if k < first_marked}
+        calls = dict(before or {})
+        keys: dict[int, list[int]] = {}
 
         def born(k: int) -> None:
+            if k in calls:
+                calls.pop(k)()
             keys[k] = self.tensors([saved[k]])
 
+        for k in range(min(first_marked, len(saved))):
+            born(k)
         self.sim.free(list(self.sim.play(seq, born).values()))
-        return keys | {k: self.tensors([t]) for k, t in enumerate(saved) if k > first_marked and k not in marks}
+        for k in range(first_marked + 1, len(saved)):
+            if k not in marks:
+                born(k)
+        for call in calls.values():
+            call()
+        return keys
 
     def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
         """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
-        block's tensors and drops them, keeping its input, and autocast caches its casts until the loss."""
+        block's tensors and drops them, keeping its input, and autocast caches its casts until the loss. The MLP's
+        weights are cast as the MLP starts (ActivationModel.mlp_start) where the block's list is the layer's,
+        the others' at the block's start."""
         self.casts(block.groups, kept=False)
-        casts = self.casts(block.groups)
+        layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
+        # not in full checkpointing's first forward: its list stands for a no-grad run that frees as it goes
+        split = layer_list and not full
+        at = {c: block.am.mlp_start for c in MLP_SIDE} | {"experts": block.am.experts_start}
+        later: dict[int, list[tuple[int, int]]] = {}  # entry -> the groups cast just before it
+        for i, n in block.groups:
+            k = at.get(self.groups[i].category, 0) if split else 0
+            if k:
+                later.setdefault(k, []).append((i, n))
+        casts = self.casts([g for g in block.groups if g not in sum(later.values(), [])])
+        before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
         if not block.recorded:
-            self.sim.free(self.tensors(self.am.layer) + casts)  # nothing requires a gradient yet
+            for call in before.values():
+                call()
+            self.sim.free(self.tensors(block.am.layer) + casts)  # nothing requires a gradient yet
             return []
-        layer_list = block.saved is self.am.layer  # the sequence's markers name the layer list's tensors
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
-            cached += casts
             if self.no_grad is not None:  # a decoder block's no-grad forward, as a prefill runs it
                 local = walk_no_grad_block(self.sim, *self.no_grad)
+                cached += casts
                 out = self.tensors(self.am.layer_input)
                 self.sim.free([key for _, key in local])
                 return out
-            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list)))
+            freed = _flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list, block.am,
+                                       before))
+            cached += casts
+            self.sim.free(freed)
             return self.tensors(self.am.layer_input)
-        return casts + _flat(self.ordered("layer_forward", block.saved, layer_list))
+        saved = _flat(self.ordered("layer_forward", block.saved, layer_list, block.am, before))
+        return casts + saved
 
     @property
     def traced(self) -> bool:
@@ -381,15 +421,17 @@ class _Step:
     def micro_batch(self) -> None:
         full = self.k.grad_ckpt == "full"
         embed = self.tensors(self.am.embed)
+        masks = self.tensors(self.am.forward_masks)
         cached: list[int] = []
         held = [self.forward(b, full, cached) for b in self.blocks]
+        self.sim.free(masks)
         self.loss(cached)
-        again = {"full": None, "selective": self.am.layer_core, "none": []}[self.k.grad_ckpt]
         first_decoder = self.spec.num_layers if self.spec.arch == "encoder-decoder" else None
         # full: each block's forward again; selective: its core
         for n, (b, keys) in reversed(list(enumerate(zip(self.blocks, held)))):
+            again = {"full": b.saved, "selective": b.am.layer_core, "none": []}[self.k.grad_ckpt]
             if b.recorded:
-                self.layer_backward(b, keys, b.saved if again is None else again)
+                self.layer_backward(b, keys, again)
             if n == first_decoder and self.shared is not None:  # the decoder's embedding, before the encoder
                 self.matrix_part()
         if self.shared is not None:
@@ -477,14 +519,14 @@ class _Step:
         # the recomputed tensors (selective: the core's, in eager order, activations._selective_core_sequence), then
         # full recompute's casts: the order 3ec7f04 made, which the traced steps' simulation agrees with better than
         # the casts first (GPT-OSS-small full recompute -22.5 -> -13.5 %, benchmarks/accuracy/results/accuracy.md)
-        rebuilt = _flat(self.ordered("layer_core", [] if self.traced else recomputed))
+        rebuilt = _flat(self.ordered("layer_core", [] if self.traced else recomputed, am=block.am))
         again = (self.casts(block.groups) if full else []) + rebuilt
         # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
         # traced: bert-base under freeze peaks there with the head's gradients only)
         if self.traced:
             self.ordered("layer_backward", [])
         else:
-            self.sim.free(self.tensors(self.am.layer_backward))
+            self.sim.free(self.tensors(block.am.layer_backward))
         for i, n in block.groups:
             self.grad(i, n)
         self.sim.free(again + held)

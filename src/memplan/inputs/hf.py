@@ -268,13 +268,29 @@ def _param_table(model) -> tuple[ParamGroup, ...]:
 
     modules = dict(model.named_modules())
     groups: Counter[tuple[str, str, tuple[int, ...], str, bool]] = Counter()
+    held: dict[tuple, tuple[str, set[int]]] = {}  # a group's stack and blocks
+    stacks: dict[str, int] = {}  # a stack's path -> its blocks
     for pname, p in model.named_parameters():  # named_parameters() yields tied tensors once
         owner, leaf = pname.rpartition(".")[::2]
         kind = type(modules[owner]).__name__ if isinstance(modules[owner], (nn.Linear, Conv1D)) else ""
         weight_of = {"Conv1D": "Conv1D", "": ""}.get(kind, "Linear") if leaf == "weight" else ""
-        groups[(categorize(pname), module_path(owner), tuple(p.shape), weight_of, p.requires_grad)] += 1
+        key = (categorize(pname), module_path(owner), tuple(p.shape), weight_of, p.requires_grad)
+        groups[key] += 1
+        stack, block = _block_of(owner)
+        if stack is not None:
+            held.setdefault(key, (stack, set()))[1].add(block)
+            stacks[stack] = max(stacks.get(stack, 0), block + 1)
+
+    def layers(key: tuple) -> tuple[int, ...]:
+        """The blocks holding the group where not every block of its stack does (ParamGroup.layers)."""
+        if key not in held:
+            return ()
+        stack, blocks = held[key]
+        return () if blocks == set(range(stacks[stack])) else tuple(sorted(blocks))
+
     return tuple(
-        ParamGroup(category=c, shape=s, count=n, trainable=t, module=m, weight_of=lin)  # type: ignore[arg-type]
+        ParamGroup(category=c, shape=s, count=n, trainable=t, module=m, weight_of=lin,  # type: ignore[arg-type]
+                   layers=layers((c, m, s, lin, t)))
         for (c, m, s, lin, t), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))
     )
 
@@ -287,6 +303,14 @@ def _unquantised(model) -> tuple[str, ...]:
 
     keys = HfQuantizer.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
     return tuple(sorted(module_path(k) for k in keys))
+
+
+def _block_of(owner: str) -> tuple[str | None, int]:
+    """A module's stack (its path before the first index: "model.layers") and its block there; (None, 0) outside
+    any block."""
+    parts = owner.split(".")
+    first = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return (None, 0) if first is None else (".".join(parts[:first]), int(parts[first]))
 
 
 def module_path(name: str) -> str:
@@ -341,7 +365,8 @@ def _layer_fields(cfg: Any) -> dict[str, Any]:
     types = getattr(cfg, "layer_types", None) or ()
     out = dict(layer_types=tuple(str(t) for t in types), attention_chunk_size=_get(cfg, "attention_chunk_size"))
     if family(cfg.model_type).qk_norm == "l2":  # Llama4TextAttention: qk_norm only if use_qk_norm and use_rope
-        out["qk_norm_layers"] = sum(cfg.no_rope_layers) if cfg.use_qk_norm else 0  # no_rope_layers: 1 = RoPE
+        # no_rope_layers: 1 = RoPE
+        out["qk_norm_layer_ids"] = tuple(i for i, r in enumerate(cfg.no_rope_layers) if r and cfg.use_qk_norm)
     return out
 
 
@@ -356,11 +381,12 @@ def _moe_fields(cfg: Any) -> dict[str, Any]:
     first_k = _get(cfg, "first_k_dense_replace", default=0)
     mlp_only, step = set(_get(cfg, "mlp_only_layers", default=())), _get(cfg, "decoder_sparse_step", default=1)
     # Qwen3-MoE: layer i has experts unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
-    dense = first_k + sum(1 for i in range(first_k, L) if i in mlp_only or (i + 1) % step)
+    dense = tuple(i for i in range(L) if i < first_k or i in mlp_only or (i + 1) % step)
     moe_layers = _get(cfg, "moe_layers")
     if moe_layers is not None:  # Llama 4: the experts are intermediate_size, dense layers intermediate_size_mlp
-        expert, shared, dense = cfg.intermediate_size, cfg.intermediate_size, L - len(moe_layers)
-    out = dict(expert_intermediate_size=int(expert), shared_expert_intermediate_size=int(shared), dense_layers=int(dense))
+        expert, shared, dense = cfg.intermediate_size, cfg.intermediate_size, tuple(
+            i for i in range(L) if i not in set(moe_layers))
+    out = dict(expert_intermediate_size=int(expert), shared_expert_intermediate_size=int(shared), dense_layer_ids=dense)
     if moe_layers is not None:
         out["intermediate_size"] = int(cfg.intermediate_size_mlp)
     return out

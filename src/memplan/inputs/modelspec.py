@@ -70,6 +70,10 @@ class ParamGroup(Derived):
     # adapts and bitsandbytes quantises.
     weight_of: Literal["", "Linear", "Conv1D"] = ""
     store: Store = "model"
+    # The blocks of its stack that hold it (the module path's first index) where that is not every block: a MoE
+    # model's experts and its dense layers' MLP (Llama 4 interleaves them, DeepSeek-V3's first layers are
+    # dense), T5's relative_attention_bias in block 0; (): every block, or outside the blocks.
+    layers: tuple[int, ...] = ()
 
     # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
     # frozen model; it is not a field)
@@ -123,9 +127,9 @@ class ModelSpec(Derived):
     # keys)); (): the config has no layer_types.
     layer_types: tuple[str, ...] = ()
     attention_chunk_size: int | None = None
-    # Layers with the family's q/k norm (families.Family.qk_norm) where not all have it: Llama 4's L2 norm runs on
-    # its RoPE layers under use_qk_norm (Llama4TextAttention); None: every layer.
-    qk_norm_layers: int | None = None
+    # The layers with the family's q/k norm (families.Family.qk_norm) where not all have it: Llama 4's L2 norm runs
+    # on its RoPE layers under use_qk_norm (Llama4TextAttention); None: every layer.
+    qk_norm_layer_ids: tuple[int, ...] | None = None
     # -- mixture of experts (num_experts > 1) ------------------------------------------------------------
     # intermediate_size is the dense MLP's width; a routed expert's may differ (Qwen3-MoE, DeepSeek-V3,
     # GLM-4-MoE: moe_intermediate_size; Llama 4: intermediate_size, its dense layers intermediate_size_mlp).
@@ -134,9 +138,9 @@ class ModelSpec(Derived):
     # The shared expert(s) every token also runs, their total width (DeepSeek-V3 / GLM-4-MoE: n_shared_experts
     # * moe_intermediate_size; Llama 4: one of intermediate_size); 0: none.
     shared_expert_intermediate_size: int = 0
-    # Layers of a MoE model whose MLP is dense, intermediate_size wide (DeepSeek-V3 first_k_dense_replace,
-    # Qwen3-MoE mlp_only_layers, Llama 4 layers outside moe_layers).
-    dense_layers: int = 0
+    # The layers of a MoE model whose MLP is dense, intermediate_size wide (DeepSeek-V3 first_k_dense_replace,
+    # Qwen3-MoE mlp_only_layers and decoder_sparse_step, Llama 4 layers outside moe_layers).
+    dense_layer_ids: tuple[int, ...] = ()
     params: tuple[ParamGroup, ...] = Field(default_factory=tuple)
     # The model's buffers, in bytes as transformers builds them (float ones in fp32; bool / int masks and ids as
     # they are): GPT-BigCode's non-persistent n_positions^2 causal mask is 64 MiB on OctoCoder, the rest (rotary
@@ -217,6 +221,16 @@ class ModelSpec(Derived):
     def expert_width(self) -> int:
         """A routed expert's intermediate width."""
         return self.expert_intermediate_size or self.intermediate_size
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers of a MoE model whose MLP is dense."""
+        return len(self.dense_layer_ids)
+
+    @property
+    def qk_norm_layers(self) -> int | None:
+        """Layers with the q/k norm where not all have it (None: every layer)."""
+        return None if self.qk_norm_layer_ids is None else len(self.qk_norm_layer_ids)
 
     @property
     def moe_layers(self) -> int:
