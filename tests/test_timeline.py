@@ -282,6 +282,14 @@ def test_each_layer_replays_its_own_tensors(name, precision, attn):
         assert all(not groups[i].layers or b in groups[i].layers for i, _ in block.groups)
     held = {i for block in block_table(spec, key.tuning, groups, mean, layers) for i, _ in block.groups}
     assert held == {i for i, g in enumerate(groups) if "*" in g.module}
+    # serving too: each block's weights, and its MLP moment (a dense layer's, a routed one's, the worse without one)
+    from memplan.estimator.activations import inference_working_set
+    from memplan.estimator.serving_timeline import _block_groups
+
+    assert all(not g.layers or b in g.layers for b, block in enumerate(_block_groups(spec)) for g, _ in block)
+    sets = {k: total(inference_working_set(spec, 2, 512, 2, 2, attn, False, kind=k)["mlp"])
+            for k in (None, *layer_kinds(spec))}
+    assert sets[None] == max(sets.values())
 
 
 # the accuracy suite's rows the mean layer had put furthest from the simulation of their traced step
@@ -302,8 +310,7 @@ def test_each_layer_against_the_simulation_of_its_trace(name, precision, attn, c
     work = {k: v for k, v in row["case"].items() if k not in ("model", "fast", "device")}
     e = memplan.estimate(str(RESULTS.parents[2] / row["case"]["model"]), "a100-80g", **work)
     sim = next(m for m in row["meters"] if m["meter"] == "peak_reserved")
-    assert sim["error_pct"] == pytest.approx(was, abs=0.6) or sim["error_pct"] != was  # as committed, or rerun
-    assert e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.03)
+    assert abs(was) > 5 and e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.03)
 
 
 def test_the_third_lease_default_allocator_runs(benchmark_module):

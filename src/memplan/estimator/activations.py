@@ -1078,8 +1078,8 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
     return {"layer_forward": out + [(SAVED - k, 0.0) for k in range(start, len(layer))] + [(~n, 0.0) for n in returned]}
 
 
-def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
-                          full_logits: bool, context: int = 0, dequant: int = 0) -> dict[str, list[Tensors]]:
+def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, full_logits: bool,
+                          context: int = 0, dequant: int = 0, kind: LayerKind | None = None) -> dict[str, list[Tensors]]:
     """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
     "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`, transformers
     5.23 modeling_llama.py); and for the serving replay (serving_timeline.py) the smaller moments it walks through
@@ -1094,7 +1094,8 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     At the head, after the base model's forward has returned (its locals are gone): the final norm output and
     the logits, of every position when scoring, of the last one when generating (generate's
     logits_to_keep=1, and its fp32 copy of them: generation/utils.py). dequant: bytes of the half copy
-    bitsandbytes makes of a 4-bit MLP weight for its matmul (inference.py dequantised_copy; 0: none)."""
+    bitsandbytes makes of a 4-bit MLP weight for its matmul (inference.py dequantised_copy; 0: none). kind: a layer
+    of that kind (layer_kinds: a MoE model's dense layer runs its dense MLP), else the worst layer's."""
     if spec.arch == "vision":
         s = spec.seq_positions
     h, T = spec.hidden_size, b * s
@@ -1113,7 +1114,9 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
-    mlp = _inference_mlp(spec, T, s, p, r, post_norm, dequant)
+    # a MoE model's: the layer kind's MLP; without a kind the larger of its routed and its dense layers' moments
+    routed = [kind.moe] if kind is not None else [True, False] if spec.dense_layers else [True]
+    mlp = max((_inference_mlp(spec, T, s, p, r, post_norm, dequant, x) for x in routed), key=total)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b
@@ -1148,16 +1151,18 @@ def _kept_probabilities(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: s
 
 
 def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: bool,
-                   dequant: int = 0) -> list[Tensors]:
+                   dequant: int = 0, routed: bool = True) -> list[Tensors]:
     """A layer's MLP under no_grad: the residual stream held four times (three post-norm) and the MLP's
     intermediates, or, with a dequantised weight, each projection beside the half copy its matmul runs on
-    (_dequant_moments); a MoE layer's permuted tokens and the larger of its gate_up and its combine moments."""
+    (_dequant_moments); a MoE layer's permuted tokens and the larger of its gate_up and its combine moments
+    (routed=False: a MoE model's dense layer)."""
     fam, h = family(spec.model_type), spec.hidden_size
     f, f_tok = spec.intermediate_size, T
+    moe = spec.is_moe and routed
     # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
     # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
     # gate's output after the activation
-    fused_up = spec.is_moe or fam.gated_up_linears == 1
+    fused_up = moe or fam.gated_up_linears == 1
     # a Python-composed GELU (gelu_new: 0.5 * x * (1 + tanh(...))) holds the up projection and three of its
     # pieces at once (traced: GPT-2); a native activation its output beside its input
     composed = len(ACTIVATION_SAVES.get(spec.activation, ("act",))) > 1
@@ -1171,7 +1176,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
         mlp.append(Tensors("attention output (parallel layer)", p * h * T))
     if fam.block_keeps_attn_output:
         mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
-    if not spec.is_moe:
+    if not moe:
         plain = mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
         return max([plain] + _dequant_moments(spec, T, p, dequant, mlp), key=total)
     if fam.moe_all_experts:

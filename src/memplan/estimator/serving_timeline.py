@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set
+from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, layer_kinds
 from memplan.estimator.families import family
 from memplan.estimator.finetune import in_decoder
 from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
@@ -34,7 +34,7 @@ from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_wind
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
-from memplan.estimator.timeline import Events, spread, walk_no_grad_block
+from memplan.estimator.timeline import Events, holders, spread, walk_no_grad_block
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -124,15 +124,20 @@ class _Serve:
         """One forward of `tokens` a sequence (context: the cache length a decode step attends to; 0: prefill)."""
         k = self.k
         seqs = k.sequences
-        ws = inference_working_set(self.spec, seqs, tokens, self.p, self.r, k.attn, full_logits=not self.generate,
-                                   context=context, dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens))
+        # each layer kind's moments where the layers differ (a MoE model's dense layers: activations.layer_kinds)
+        kinds = layer_kinds(self.spec) or (None,) * len(self.blocks)
+        sets = {kind: inference_working_set(self.spec, seqs, tokens, self.p, self.r, k.attn,
+                                            full_logits=not self.generate, context=context,
+                                            dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens), kind=kind)
+                for kind in dict.fromkeys(kinds)}
+        ws = sets[kinds[0]]
         stream = self.r * self.spec.hidden_size * seqs * tokens
         embed = self.sim.alloc(stream)
         around = self.tensors(ws["around"])
         held = embed
         core = inference_eager_core(self.spec, seqs, tokens, self.p, self.r, k.attn, context)
         for b, groups in enumerate(self.blocks):
-            out = self.block(b, groups, ws, core, stream, context)
+            out = self.block(b, groups, sets[kinds[b]] if b < len(kinds) else ws, core, stream, context)
             if held != embed:
                 self.sim.free([held])
             held = out
@@ -248,7 +253,8 @@ def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
     per: list[list[tuple[ParamGroup, int]]] = [[] for _ in range(enc + dec)]
     for g in spec.params:
         if "*" in g.module:
-            for b, n in spread(g.count, range(enc, enc + dec) if in_decoder(spec, g.module) else range(enc)).items():
+            stack = range(enc, enc + dec) if in_decoder(spec, g.module) else range(enc)
+            for b, n in spread(g.count, holders(g, stack, stack)).items():
                 per[b].append((g, n))
     return per
 

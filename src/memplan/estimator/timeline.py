@@ -204,6 +204,13 @@ class _Block(NamedTuple):
     am: ActivationModel  # its layer's own lists (ActsKey.layer_models), else the mean layer's
 
 
+def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> range | list[int]:
+    """The blocks among `blocks` (of `stack`) that hold group g (ParamGroup.layers: a MoE model's experts, its dense
+    layers' MLP, T5's relative_attention_bias), or all of them."""
+    held = [b for b in blocks if b - stack.start in g.layers]
+    return held or blocks
+
+
 def spread(count: int, blocks: range | list[int]) -> dict[int, int]:
     """`count` tensors of a group over `blocks`, as evenly as they go."""
     share = [count // len(blocks) + (j < count % len(blocks)) for j in range(len(blocks))]
@@ -229,9 +236,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], mean
         blocks: range | list[int] = stack
         if t.method == "freeze" and head_stack(spec, g.module) and not under(g.module, t.modules_to_save):
             blocks = trained_range if g.trainable else range(head.start, trained_range.start)
-        # the blocks that hold it (a MoE model's experts, its dense layers' MLP, T5's relative_attention_bias)
-        held = [b for b in blocks if b - stack.start in g.layers]
-        for b, n in spread(g.count, held or blocks).items():
+        for b, n in spread(g.count, holders(g, stack, blocks)).items():
             per[b].append((i, n))
     frozen_recorded = records_frozen_blocks(spec, t)
     out = []
