@@ -233,6 +233,25 @@ def test_freeze_last_blocks(name):
         p.requires_grad_(True)  # the shared model again as built
 
 
+SMALL_CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks/accuracy/configs"
+
+
+@pytest.mark.parametrize("config,k", [("llama4-small", 1), ("llama4-small", 4), ("deepseek_v3-moe-small", 1),
+                                      ("glm4_moe-small", 2)])
+def test_freeze_counts_the_trained_blocks_own_parameters(config, k):
+    """A group only some blocks hold (ParamGroup.layers: the experts, the dense layers' MLP) trains in the trained
+    blocks that hold it: the count over every block had rounded down to 0 (DeepSeek-V3 freeze K=61 trained 12.3 B of
+    its 670 B parameters, Llama 4 small K=4 none of its MLPs)."""
+    import json
+
+    cfg = json.loads((SMALL_CONFIGS / f"{config}.json").read_text())
+    spec = spec_from_config(cfg, config)
+    with torch.device("meta"):
+        model, _ = build_model(cfg, spec.head, attn="eager")
+    t = Tuning.of(Workload(method="freeze", trainable_layers=k))
+    assert params_trainable(spec, t) == train_by_hand(model, k)
+
+
 # -- 3. QLoRA: bitsandbytes' bytes, transformers' quantised layers ----------------------------------
 TINY = {
     "llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -253,8 +253,8 @@ def test_lora_on_fused_experts_keeps_the_merged_weights():
 
 
 CONFIGS = RESULTS.parents[1] / "accuracy" / "configs"
-MIXED = [("llama4-small", "bf16", "sdpa"), ("llama4-small", "bf16-pure", "eager"), ("glm4_moe-small", "bf16-pure", "sdpa"),
-         ("qwen3_moe-small", "bf16", "eager"), ("deepseek_v3-moe-small", "bf16-pure", "sdpa"),
+MIXED = [("llama4-small", "bf16", "sdpa"), ("llama4-small", "bf16-pure", "eager"),
+         ("glm4_moe-small", "bf16-pure", "sdpa"), ("qwen3_moe-small", "bf16", "eager"), ("deepseek_v3-moe-small", "bf16-pure", "sdpa"),
          ("gemma3-small", "bf16", "sdpa")]
 
 
@@ -310,7 +310,7 @@ def test_each_layer_against_the_simulation_of_its_trace(name, precision, attn, c
     work = {k: v for k, v in row["case"].items() if k not in ("model", "fast", "device")}
     e = memplan.estimate(str(RESULTS.parents[2] / row["case"]["model"]), "a100-80g", **work)
     sim = next(m for m in row["meters"] if m["meter"] == "peak_reserved")
-    assert abs(was) > 5 and e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.03)
+    assert e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.03), f"was {was} %"
 
 
 def test_the_third_lease_default_allocator_runs(benchmark_module):

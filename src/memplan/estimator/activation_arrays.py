@@ -83,7 +83,9 @@ class ActsKey(NamedTuple):
         """Each layer's own model (one per kind, shared by its layers) where the layers differ
         (activations.layer_kinds; a traced model has the mean layer only), else ()."""
         kinds = () if self.spec.traced_config else layer_kinds(self.spec)
-        models = {k: self.model(b, k) for k in dict.fromkeys(kinds)}
+        # a kind's model from its first layer (its LoRA adapters: LoraActs.at_layer)
+        models = {k: (self if self.lora is None else self._replace(lora=self.lora.at_layer(kinds.index(k)))).model(b, k)
+                  for k in dict.fromkeys(kinds)}
         return tuple(models[k] for k in kinds)
 
 

@@ -100,7 +100,7 @@ class ActivationModel:
     experts_start: int = 0
     # the attention masks a decoder's forward makes once for its layers and frees as it returns, before the head,
     # where no checkpoint holds them (checkpoint_masks; traced, llama4-small bf16 eager: the chunked and the full
-    # layers' fp32 masks, 2 MiB each, made before the first layer and freed after the last); the replay's
+    # layers' fp32 masks, 2 MiB each, made before the first layer and freed after the last); only the replay makes them
     forward_masks: list[Tensors] = field(default_factory=list)
 
 
@@ -114,9 +114,9 @@ LOCAL_ATTENTION = ("sliding_attention", "chunked_attention")
 @dataclass(frozen=True)
 class Transient:
     """A storage a layer's forward makes beside what autograd saves and frees before the layer returns: born
-    right after entry `after` of the layer's list, dead right after entry `until` (entries by identity). The sums
-    of the step count them in the forward's working set; the replay (timeline.py) makes them in order, where
-    they decide which segments the saved tensors after them land in."""
+    right after entry `after` of the layer's list, dead right after entry `until` (entries by identity). Only the
+    replay (timeline.py) makes them, in order, where they decide which segments the saved tensors after them land
+    in; the step's sums leave them out."""
 
     nbytes: float
     after: Tensors
@@ -146,14 +146,25 @@ class LayerKind(NamedTuple):
     qk_norm: bool  # it runs the family's q/k norm (Llama 4: its RoPE layers)
 
 
+def mlp_kinds(spec: ModelSpec, kind: "LayerKind | None") -> tuple[bool, ...]:
+    """The MLPs a layer of `kind` runs, True a MoE layer's routed experts, False a dense MLP; without a kind (the
+    mean layer, whose moments take the worse) each a MoE model has."""
+    if not spec.is_moe:
+        return (False,)
+    if kind is not None:
+        return (kind.moe,)
+    return (True, False) if spec.dense_layers else (True,)
+
+
 def layer_kinds(spec: ModelSpec) -> tuple[LayerKind, ...]:
     """Each layer's kind in a decoder-only (or encoder) stack whose layers differ; () where they are alike, or in
     an encoder-decoder (one kind a stack)."""
     if spec.arch == "encoder-decoder":
         return ()
     types, qk = spec.layer_types, spec.qk_norm_layer_ids
-    kinds = tuple(LayerKind(spec.is_moe and i not in spec.dense_layer_ids,
-                            types[i] in LOCAL_ATTENTION if len(types) == spec.num_layers else True,
+    if types and len(types) != spec.num_layers:  # not one per layer: the mean layer's share stands
+        return ()
+    kinds = tuple(LayerKind(spec.is_moe and i not in spec.dense_layer_ids, types[i] in LOCAL_ATTENTION if types else True,
                             qk is None or i in qk) for i in range(spec.num_layers))
     return kinds if len(set(kinds)) > 1 else ()
 
@@ -684,14 +695,11 @@ def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
     gradient it produces (eager attention: dP and dS over the s x s scores, GPT-OSS's with the sink column; else
     the MLP's dA, dB, or the tiled MLP's recomputed chunk). A MoE model's: a routed layer's experts' or a dense
     layer's MLP's, by `kind`; the mean layer takes the larger (the peak is the worst layer's: DeepSeek-V3-MoE small's
-    dense layer 0 has four times its routed layer's)."""
+    dense layer 0 has three times its routed layer's)."""
     T, p = b * s, prec.act
-    shapes = []  # (rows, width) of the MLPs this layer may be
-    if spec.is_moe and (kind is None or kind.moe):
-        shapes.append((routed_rows(spec, T), spec.expert_width))
-    if not spec.is_moe or (kind is None and spec.dense_layers) or (kind is not None and not kind.moe):
-        shapes.append((T, spec.intermediate_size))
-    mlp = max(([Tensors("mlp grad buffers", p * f * rows, 2)] for rows, f in shapes), key=total)
+    shapes = {True: (routed_rows(spec, T), spec.expert_width), False: (T, spec.intermediate_size)}
+    mlp = max(([Tensors("mlp grad buffers", p * shapes[x][1] * shapes[x][0], 2)] for x in mlp_kinds(spec, kind)),
+              key=total)
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
     if attn == "eager":
@@ -798,7 +806,8 @@ def _fused_loss(spec: ModelSpec, T: int, prec: Precision, saved: list[Tensors]):
     return saved, fwd, bwd
 
 
-def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora: LoraActs) -> list[Tensors]:
+def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora: LoraActs,
+               blocks: int) -> list[Tensors]:
     """What PEFT's LoRA layers save, for the adapted linears of one block (peft 0.21 tuners/lora/layer.py
     Linear.forward: x = x.to(lora_A.weight.dtype); result + lora_B(lora_A(dropout(x))) * scaling; the
     bitsandbytes layers in tuners/lora/bnb.py cast only without autocast). Adapters are fp32, or half in
@@ -809,13 +818,15 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
       lora_A); an input of their width is saved once for the linears that read it, unless dropout makes
       one output per linear.
     - Dropout (p > 0) saves its mask (native_dropout) per adapted linear.
-    - lora_B saves lora_A's output, the rank-r intermediate (half under autocast, else the adapters')."""
+    - lora_B saves lora_A's output, the rank-r intermediate (half under autocast, else the adapters').
+    Adapters only some of the stack's `blocks` have (AdapterInput.layers) count at their share in the mean layer."""
     out: list[Tensors] = []
     ad = lora.adapter_bytes
     r_bytes = HALF if prec.autocast else ad
     for a in adapters:
         x_bytes = prec.act if a.inner else prec.residual
-        n, x = a.count, a.width * T
+        share = len(a.layers) / blocks if a.layers else 1.0
+        n, x = a.count, a.width * T * share
         if prec.autocast and ad > HALF:
             out.append(Tensors("lora: A input (autocast half copy)", HALF * x, n))
         elif lora.dropout:
@@ -826,7 +837,7 @@ def lora_terms(adapters: tuple[AdapterInput, ...], T: int, prec: Precision, lora
             out.append(Tensors("lora: A input (the linear's input)", ad * x))
         if lora.dropout:
             out.append(Tensors("lora: dropout mask", MASK * x, n))
-        out.append(Tensors("lora: rank-r intermediate (B input)", r_bytes * lora.r * T, n))
+        out.append(Tensors("lora: rank-r intermediate (B input)", r_bytes * lora.r * T * share, n))
     return out
 
 
@@ -893,11 +904,13 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     saved_head = _tuned(saved_head, lora)
     if lora is not None:
-        layer += lora_terms(lora.layer, T, prec, lora)
-        if lora.merged_experts:
-            layer.append(Tensors("lora: merged expert weights (W + B A)", lora.merged_experts))
-        dec += lora_terms(lora.decoder_layer, T, prec, lora) if dec else []
-        saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora)
+        layer += lora_terms(lora.layer, T, prec, lora, spec.num_layers)
+        # the merged weights are the MoE layers' (the mean layer holds their share)
+        merged = lora.merged_experts * (1 if kind is None else spec.num_layers / spec.moe_layers if kind.moe else 0)
+        if merged:
+            layer.append(Tensors("lora: merged expert weights (W + B A)", merged))
+        dec += lora_terms(lora.decoder_layer, T, prec, lora, spec.num_decoder_layers) if dec else []
+        saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora, 1)
     kept = _kept_at(block, layer)
     masks = checkpoint_masks(spec, b, s, prec, attn)
     return ActivationModel(
@@ -906,8 +919,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         # full checkpointing (kv_cache off) keeps the masks with the layers' inputs, and selective recomputation with
         # the checkpointed cores' inputs, on the first stage's list (traced: qwen3-small eager selective -1.15 ->
         # -0.14 %)
-        embed=shard((_embeddings(spec, b, s, prec) if embed_grad else []) + ([] if kv_cache and not selective else masks),
-                    tp, sp),
+        embed=shard((_embeddings(spec, b, s, prec) if embed_grad else [])
+                    + ([] if kv_cache and not selective else masks), tp, sp),
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
@@ -1014,10 +1027,11 @@ def _eager_core_sequence(spec: ModelSpec, layer: list[Tensors], b: int, s: int, 
 
 def _kept_at(block: list[Tensors], layer: list[Tensors]) -> list[int]:
     """For each entry of `block`, the index in `layer` (block less a frozen base's filter, frozen_block, plus
-    adapters' terms after it) of the last entry at or before it that the filter kept (-1: none)."""
+    adapters' terms after it) of the last entry at or before it that the filter kept (-1: none); LLM.int8's filter
+    keeps a linear input as a new entry (int8_saved_input)."""
     at, j = [], -1
     for t in block:
-        if j + 1 < len(layer) and layer[j + 1] is t:
+        if j + 1 < len(layer) and (layer[j + 1] is t or layer[j + 1] == int8_saved_input(t) != t):
             j += 1
         at.append(j)
     return at
@@ -1079,7 +1093,8 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
 
 
 def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, full_logits: bool,
-                          context: int = 0, dequant: int = 0, kind: LayerKind | None = None) -> dict[str, list[Tensors]]:
+                          context: int = 0, dequant: int = 0,
+                          kind: LayerKind | None = None) -> dict[str, list[Tensors]]:
     """Live tensors at the moments of a no_grad forward that can be its largest ("mlp", "attention", "rotary",
     "head") over b sequences of s tokens (nothing is saved; traced with `memplan verify --task infer`, transformers
     5.23 modeling_llama.py); and for the serving replay (serving_timeline.py) the smaller moments it walks through
@@ -1114,9 +1129,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
         # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
         # flash take is_causal instead)
         around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
-    # a MoE model's: the layer kind's MLP; without a kind the larger of its routed and its dense layers' moments
-    routed = [kind.moe] if kind is not None else [True, False] if spec.dense_layers else [True]
-    mlp = max((_inference_mlp(spec, T, s, p, r, post_norm, dequant, x) for x in routed), key=total)
+    mlp = max((_inference_mlp(spec, T, s, p, r, post_norm, dequant, x) for x in mlp_kinds(spec, kind)), key=total)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
         n_tok = T if full_logits else b

@@ -193,10 +193,11 @@ def moe_adapters(spec: ModelSpec, t: Tuning, g: ParamGroup) -> list[ParamGroup]:
 
 
 def _lora_pair(g: ParamGroup, n_in: int, n_out: int, r: int) -> list[ParamGroup]:
+    """The adapter of group g, in the blocks that hold it."""
     return [ParamGroup(category="adapter", shape=(r, n_in), count=g.count, module=g.module + ".lora_A",
-                       weight_of="Linear", store="fp32"),
+                       weight_of="Linear", store="fp32", layers=g.layers),
             ParamGroup(category="adapter", shape=(n_out, r), count=g.count, module=g.module + ".lora_B",
-                       weight_of="Linear", store="fp32")]
+                       weight_of="Linear", store="fp32", layers=g.layers)]
 
 
 def quantised(spec: ModelSpec, g: ParamGroup) -> bool:
@@ -236,7 +237,11 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
         if not (head_stack(spec, g.module) and not under(g.module, t.modules_to_save)):
             out.append(g.model_copy(update={"trainable": freeze_trains(spec, t, g, -1)}))
             continue
-        k = trained_blocks(spec, t) * (g.count // blocks)
+        # a group in some blocks only (ParamGroup.layers: a MoE model's experts, its dense layers' MLP): its tensors
+        # in the trained ones (a DeepSeek-V3 freeze counted none of its experts trainable, the count over every block
+        # rounding down to 0)
+        held = g.layers or range(blocks)
+        k = g.count // len(held) * sum(1 for b in held if b >= blocks - trained_blocks(spec, t))
         out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
         out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
     return tuple(out)
@@ -394,6 +399,7 @@ class AdapterInput(NamedTuple):
     width: int  # in_features
     inner: bool  # reads an inner tensor (context, MLP intermediate: matmul width), else the block's normed input
     count: int  # adapted linears per block reading it
+    layers: tuple[int, ...] = ()  # the blocks of its stack that have them (ParamGroup.layers); (): every block
 
 
 class LoraActs(NamedTuple):
@@ -415,6 +421,10 @@ class LoraActs(NamedTuple):
     # baddbmm output per adapted tensor, in the compute width, which the grouped matmul saves)
     merged_experts: float = 0.0
 
+    def at_layer(self, i: int) -> "LoraActs":
+        """Block i's own adapters (where the layers differ: activations.layer_kinds), each in every block it names."""
+        return self._replace(layer=tuple(a._replace(layers=()) for a in self.layer if not a.layers or i in a.layers))
+
 
 def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = HALF,
               adapter_bytes: int = FP32) -> LoraActs | None:
@@ -427,15 +437,16 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
             continue
         parent, leaf = g.module.rpartition(".")[::2]
         n_in, _ = in_out(g)
-        key = (parent, n_in, leaf in OUTPUT_PROJECTIONS)
+        # a group in some blocks only (the experts, a MoE model's dense MLP): per block that has it
+        key = (parent, n_in, leaf in OUTPUT_PROJECTIONS, g.layers)
         if "*" not in g.module:
             stack, per = "head", g.count
         elif in_decoder(spec, g.module):
-            stack, per = "decoder_layer", g.count // spec.num_decoder_layers
+            stack, per = "decoder_layer", g.count // len(g.layers or range(spec.num_decoder_layers))
         else:
-            stack, per = "layer", g.count // spec.num_layers
+            stack, per = "layer", g.count // len(g.layers or range(spec.num_layers))
         stacks[stack][key] = stacks[stack].get(key, 0) + per
-    pack = lambda d: tuple(AdapterInput(w, inner, n) for (_, w, inner), n in sorted(d.items()))  # noqa: E731
+    pack = lambda d: tuple(AdapterInput(w, inner, n, held) for (_, w, inner, held), n in sorted(d.items()))  # noqa: E731
     merged = sum(g.numel * g.count for g in spec.params if g.category == "experts" and moe_adapters(spec, t, g))
     return LoraActs(t.r, dropout > 0, pack(stacks["layer"]), pack(stacks["decoder_layer"]), pack(stacks["head"]),
                     dequant_bytes(spec, t, compute_bytes), t.method == "qlora" and t.quant == "int8",

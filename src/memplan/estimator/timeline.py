@@ -16,8 +16,8 @@ from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from memplan.estimator.activation_arrays import ActsKey
-from memplan.estimator.activations import (ActivationModel, Tensors, TensorKind, expert_loop, inference_eager_core,
-                                           inference_working_set, is_core)
+from memplan.estimator.activations import (ActivationModel, LayerKind, Tensors, TensorKind, expert_loop,
+                                           inference_eager_core, inference_working_set, is_core, layer_kinds)
 from memplan.estimator.allocator import simulate
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
@@ -206,9 +206,12 @@ class _Block(NamedTuple):
 
 def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> range | list[int]:
     """The blocks among `blocks` (of `stack`) that hold group g (ParamGroup.layers: a MoE model's experts, its dense
-    layers' MLP, T5's relative_attention_bias), or all of them."""
+    layers' MLP, T5's relative_attention_bias; (): all of them)."""
+    if not g.layers:
+        return blocks
     held = [b for b in blocks if b - stack.start in g.layers]
-    return held or blocks
+    assert held, f"{g.module}: none of blocks {list(blocks)} holds it"  # finetune.tuned_params splits by layers
+    return held
 
 
 def spread(count: int, blocks: range | list[int]) -> dict[int, int]:
@@ -268,7 +271,8 @@ class _Step:
         # MoE models with dense layers, Gemma 3's and Llama 4's local and global layers: each its own tensors (the
         # mean layer's averaged sizes packed into fewer segments: Llama 4 small bf16-pure SDPA -9.4 % under the
         # allocator simulation of its trace, benchmarks/accuracy/results/accuracy.md)
-        self.blocks = block_table(k.spec, k.tuning, self.groups, self.am, k.acts.layer_models(k.micro_batch))
+        layers = k.acts.layer_models(k.micro_batch)
+        self.blocks = block_table(k.spec, k.tuning, self.groups, self.am, layers)
         # the embedding matrix a tied LM head uses (None: no tied head)
         self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
             if tied_head(k.spec) else None
@@ -283,12 +287,17 @@ class _Step:
             self.shared = None
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
         self.parts = 0
-        self.no_grad = self.no_grad_walk() if k.grad_ckpt == "full" else None
+        # full checkpointing's first forward of each block, by its layer kind (activations.layer_kinds)
+        kinds = layer_kinds(k.spec) if layers else ()
+        walks = {kind: self.no_grad_walk(kind) for kind in dict.fromkeys(kinds or (None,))} \
+            if k.grad_ckpt == "full" else {}
+        self.walks = [walks.get(kinds[n] if n < len(kinds) else None) for n in range(len(self.blocks))]
 
-    def no_grad_walk(self) -> tuple[dict[str, list[Tensors]], list[tuple[int, int]], int] | None:
+    def no_grad_walk(self, kind: LayerKind | None) -> tuple | None:
         """Full checkpointing's first forward of a decoder block saves nothing, so its tensors live and die as a
         prefill's do: walk_no_grad_block's arguments (inference_working_set's moments at the step's widths, eager's
-        ordered core, the residual stream's bytes). None where the block's list in order stands in: a traced
+        ordered core, the residual stream's bytes) for a layer of `kind` (None: a model whose layers are alike).
+        None where the block's list in order stands in: a traced
         model's sequence (traced under checkpointing), encoders, adapters and frozen blocks, memplan's kernels.
         The list kept every tensor of the block to its end: off the suite (accuracy-offsuite.json), GPT-2 fp32
         eager b3 s1024 was -9.95 % and OPT-350M -8.6 %, and Qwen3-small bf16-pure eager +7.4 % in it."""
@@ -298,7 +307,7 @@ class _Step:
         prec = PRECISIONS[a.precision]
         p, r, attn = (HALF if prec.autocast else prec.act), prec.residual, "eager" if a.eager else "sdpa"
         b, s = self.k.micro_batch, a.seq
-        ws = inference_working_set(self.spec, b, s, p, r, attn, full_logits=True)
+        ws = inference_working_set(self.spec, b, s, p, r, attn, full_logits=True, kind=kind)
         return ws, inference_eager_core(self.spec, b, s, p, r, attn, 0), r * self.spec.hidden_size * b * s
 
     def tensors(self, ts: list[Tensors]) -> list[int]:
@@ -381,7 +390,7 @@ class _Step:
             call()
         return keys
 
-    def forward(self, block: _Block, full: bool, cached: list[int]) -> list[int]:
+    def forward(self, block: _Block, full: bool, cached: list[int], walk: tuple | None) -> list[int]:
         """One block's forward; returns what it holds into backward. full: the no-grad forward makes the
         block's tensors and drops them, keeping its input, and autocast caches its casts until the loss. The MLP's
         weights are cast as the MLP starts (ActivationModel.mlp_start) where the block's list is the layer's,
@@ -390,13 +399,15 @@ class _Step:
         layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
         # not in full checkpointing's first forward: its list stands for a no-grad run that frees as it goes
         split = layer_list and not full
-        at = {c: block.am.mlp_start for c in MLP_SIDE} | {"experts": block.am.experts_start}
+        # a grouped matmul's experts are cast as it runs; the expert loop's slices (experts_start 0) with the MLP
+        at = {c: block.am.mlp_start for c in MLP_SIDE} | {"experts": block.am.experts_start or block.am.mlp_start}
         later: dict[int, list[tuple[int, int]]] = {}  # entry -> the groups cast just before it
         for i, n in block.groups:
             k = at.get(self.groups[i].category, 0) if split else 0
             if k:
                 later.setdefault(k, []).append((i, n))
-        casts = self.casts([g for g in block.groups if g not in sum(later.values(), [])])
+        delayed = {g for gs in later.values() for g in gs}
+        casts = self.casts([g for g in block.groups if g not in delayed])
         before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
         if not block.recorded:
             for call in before.values():
@@ -404,8 +415,8 @@ class _Step:
             self.sim.free(self.tensors(block.am.layer) + casts)  # nothing requires a gradient yet
             return []
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
-            if self.no_grad is not None:  # a decoder block's no-grad forward, as a prefill runs it
-                local = walk_no_grad_block(self.sim, *self.no_grad)
+            if walk is not None:  # a decoder block's no-grad forward, as a prefill runs it (no_grad_walk)
+                local = walk_no_grad_block(self.sim, *walk)
                 cached += casts
                 out = self.tensors(self.am.layer_input)
                 self.sim.free([key for _, key in local])
@@ -428,7 +439,7 @@ class _Step:
         embed = self.tensors(self.am.embed)
         masks = self.tensors(self.am.forward_masks)
         cached: list[int] = []
-        held = [self.forward(b, full, cached) for b in self.blocks]
+        held = [self.forward(b, full, cached, walk) for b, walk in zip(self.blocks, self.walks)]
         self.sim.free(masks)
         self.loss(cached)
         first_decoder = self.spec.num_layers if self.spec.arch == "encoder-decoder" else None
@@ -536,22 +547,46 @@ class _Step:
             self.grad(i, n)
         self.sim.free(again + held)
 
+    def in_module_order(self) -> list[tuple[int, int]]:
+        """The trained parameter tensors as (group index, tensors) in model.parameters() order, the optimizer's: the
+        embeddings, each block's, then the rest (final norms, the head)."""
+        outside = [(i, g.count) for i, g in enumerate(self.groups) if "*" not in g.module]
+        first = [(i, n) for i, n in outside if self.groups[i].category == "embeddings"]
+        order = first + [gn for b in self.blocks for gn in b.groups] + [gn for gn in outside if gn not in first]
+        return [(i, n) for i, n in order if self.groups[i].trainable]
+
     def optimizer_step(self, first: bool) -> None:
-        trained = [g for g in self.groups if g.trainable]
         rule = self.rule
-        if first:  # the states, made lazily by the first step, one tensor per state
-            for g in trained:
-                if paged(rule, g):  # CUDA managed memory, outside the caching allocator
-                    continue
-                n = optimizer_state_bytes(rule, g.shape, element_bytes(g, self.prec.param), self.k.momentum)
-                per = max(rule.state_count(self.k.momentum), 1)  # one tensor per state, as states.py packs them
-                for _ in range(g.count * per if n else 0):
-                    self.sim.alloc(n / per)
-        if rule.per_tensor_temp:  # a Python loop: one tensor's temporaries at a time
-            for g in trained:
-                for _ in range(g.count):
-                    self.sim.free([self.sim.alloc(g.numel * FP32)
-                                   for _ in range(int(per_tensor_temps(rule, g, self.prec)))])
+        trained = [g for g in self.groups if g.trainable]
+
+        def states(i: int, n: int) -> None:  # one tensor per state, as states.py packs them
+            g = self.groups[i]
+            if paged(rule, g):  # CUDA managed memory, outside the caching allocator
+                return
+            size = optimizer_state_bytes(rule, g.shape, element_bytes(g, self.prec.param), self.k.momentum)
+            per = max(rule.state_count(self.k.momentum), 1)
+            for _ in range(n * per if size else 0):
+                self.sim.alloc(size / per)
+
+        def temps(i: int, n: int) -> None:  # a Python loop: one tensor's temporaries at a time
+            g = self.groups[i]
+            for _ in range(n):
+                made = [self.sim.alloc(g.numel * FP32) for _ in range(int(per_tensor_temps(rule, g, self.prec)))]
+                self.sim.free(made)
+
+        if rule.per_param_states:  # made lazily in the per-parameter loop, each beside its parameter's update
+            for i, n in self.in_module_order():
+                if first:
+                    states(i, n)
+                if rule.per_tensor_temp:
+                    temps(i, n)
+        else:
+            if first:
+                for i, n in self.in_module_order():
+                    states(i, n)
+            if rule.per_tensor_temp:
+                for i, n in self.in_module_order():
+                    temps(i, n)
         if rule.foreach_temp:  # foreach: the whole group's at once
             self.sim.free([self.sim.alloc(g.numel * element_bytes(g, self.prec.param) * rule.foreach_temp)
                            for g in trained for _ in range(g.count)])
