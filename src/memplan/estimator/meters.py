@@ -34,7 +34,7 @@ ACTIVATION_FRAGMENTATION = 0.10
 # per-segment rounding. memplan charges this share of the default mode's excess over allocated. Against the
 # allocator simulation of the accuracy suite's 152 training traces (python benchmarks/accuracy/expandable_share.py)
 # 0.8 is a median 10.4 % off and below in 30 cases (to -20 %), 1.0 below in 17 (there the default mode's own
-# excess is under), 0.5 below in 57 (the results of 46b1807). Real runs reserve more than the simulation
+# excess is under), 0.5 below in 57 (the results of fafea02). Real runs reserve more than the simulation
 # (docs/estimator.md), and suggest keeps plans that fit only with expandable segments on this figure, so the
 # conservative share.
 EXPANDABLE_SHARE = 0.8
