@@ -21,6 +21,9 @@ CASES = [("llama-3.2-1b", dict(micro_batch=2, seq_len=2048, precision="bf16")),
          ("llama-3.1-8b", dict(micro_batch=2, seq_len=2048, precision="bf16", attn="eager")),
          ("llama-3.1-70b", dict(micro_batch=1, seq_len=4096, precision="bf16-pure", grad_ckpt="full")),
          (str(ROOT / "accuracy/configs/cohere2-small.json"), dict(micro_batch=2, seq_len=512, precision="bf16")),
+         # layers that differ (activations.layer_kinds): each kind's lists built and replayed
+         ("llama-4-scout-17b-16e", dict(micro_batch=1, seq_len=4096, precision="bf16-pure", grad_ckpt="full")),
+         ("deepseek-v3", dict(micro_batch=1, seq_len=4096, precision="bf16-pure", grad_ckpt="full")),
          # serving (estimator/serving_timeline.py): generate's prefill and decode steps, the decode strided past
          # 1,024 block passes
          ("llama-3.2-1b", dict(task="infer", micro_batch=8, seq_len=1024, max_new_tokens=256, precision="bf16-pure")),
