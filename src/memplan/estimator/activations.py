@@ -1049,6 +1049,7 @@ def _with_transients(seq: list[tuple[int, float]], block: list[Tensors], layer: 
     dies = [at[index[id(x.until)]] for x in transients]
     marked = {SAVED - n for n, _ in seq if n <= SAVED}
     start = max(marked) + 1 if marked else max(0, min(born))
+    assert all(b in marked or b >= start for b in born), "a transient born before the sequence's markers"
     fresh = 1 + max((n for n, _ in seq if n >= 0), default=-1)
     ops = seq + [(SAVED - k, 0.0) for k in range(start, len(layer))]
     out: list[tuple[int, float]] = []

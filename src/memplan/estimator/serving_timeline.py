@@ -124,8 +124,9 @@ class _Serve:
         """One forward of `tokens` a sequence (context: the cache length a decode step attends to; 0: prefill)."""
         k = self.k
         seqs = k.sequences
-        # each layer kind's moments where the layers differ (a MoE model's dense layers: activations.layer_kinds)
-        kinds = layer_kinds(self.spec) or (None,) * len(self.blocks)
+        # each layer kind's moments where the layers' MLPs differ (a MoE model's dense layers: activations.layer_kinds;
+        # the moments read no other part of a kind)
+        kinds = (layer_kinds(self.spec) if self.spec.is_moe else ()) or (None,) * len(self.blocks)
         sets = {kind: inference_working_set(self.spec, seqs, tokens, self.p, self.r, k.attn,
                                             full_logits=not self.generate, context=context,
                                             dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens), kind=kind)
