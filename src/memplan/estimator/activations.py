@@ -146,7 +146,7 @@ class LayerKind(NamedTuple):
     qk_norm: bool  # it runs the family's q/k norm (Llama 4: its RoPE layers)
 
 
-def mlp_kinds(spec: ModelSpec, kind: "LayerKind | None") -> tuple[bool, ...]:
+def mlp_kinds(spec: ModelSpec, kind: LayerKind | None) -> tuple[bool, ...]:
     """The MLPs a layer of `kind` runs, True a MoE layer's routed experts, False a dense MLP; without a kind (the
     mean layer, whose moments take the worse) each a MoE model has."""
     if not spec.is_moe:
@@ -164,8 +164,9 @@ def layer_kinds(spec: ModelSpec) -> tuple[LayerKind, ...]:
     types, qk = spec.layer_types, spec.qk_norm_layer_ids
     if types and len(types) != spec.num_layers:  # not one per layer: the mean layer's share stands
         return ()
-    kinds = tuple(LayerKind(spec.is_moe and i not in spec.dense_layer_ids, types[i] in LOCAL_ATTENTION if types else True,
-                            qk is None or i in qk) for i in range(spec.num_layers))
+    kinds = tuple(LayerKind(moe=spec.is_moe and i not in spec.dense_layer_ids,
+                            local=types[i] in LOCAL_ATTENTION if types else True,
+                            qk_norm=qk is None or i in qk) for i in range(spec.num_layers))
     return kinds if len(set(kinds)) > 1 else ()
 
 
@@ -931,7 +932,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         loss_backward=shard(loss_bwd, tp, sp),
         frozen_layer=shard(frozen_block(block), tp, sp) if frozen_blocks else [],
         frozen_decoder_layer=shard(frozen_block(dec_block), tp, sp) if frozen_blocks else [],
-        sequences=_sequences(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp, (block, kept, order.transients)),
+        sequences=_sequences(spec, _tuned(whole, lora), layer, b, s, prec, attn, tp, order.transients, block, kept),
         mlp_start=_start_of(order.mlp, block, layer, kept),
         experts_start=_start_of(order.experts, block, layer, kept),
         forward_masks=shard([] if selective or not kv_cache else masks, tp, sp),
@@ -939,19 +940,20 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
 
 
 def _sequences(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int, prec: Precision,
-               attn: str, tp: int, transients: tuple) -> dict[str, list[tuple[int, float]]]:
+               attn: str, tp: int, transients: list[Transient], block: list[Tensors],
+               kept: list[int]) -> dict[str, list[tuple[int, float]]]:
     """A block's sequences (ActivationModel.sequences): eager attention's core in the block's forward, or under
     selective recomputation (`whole`: the layer's list without it) the core's no-grad run in the forward and its
-    recompute in backward, each in eager order; then the layer's transients (_with_transients's arguments)."""
+    recompute in backward, each in eager order; then the layer's transients among the block's forward
+    (_with_transients: `block` is the list they are anchored in, `kept` its entries' places in `layer`)."""
     if whole:
         out = _selective_core_sequence(spec, whole, layer, b, s, prec, attn, tp)
         core = [t for t in whole if is_core(t)]
         out["layer_core"] = _eager_core_sequence(spec, core, b, s, prec, attn, tp).get("layer_forward", [])
     else:
         out = _eager_core_sequence(spec, layer, b, s, prec, attn, tp)
-    block, kept, born = transients
-    if born:
-        out["layer_forward"] = _with_transients(out.get("layer_forward", []), block, layer, kept, born)
+    if transients:
+        out["layer_forward"] = _with_transients(out.get("layer_forward", []), block, layer, kept, transients)
     return out
 
 

@@ -240,7 +240,7 @@ def _frozen_blocks(spec: ModelSpec, t: Tuning) -> tuple[ParamGroup, ...]:
         # a group in some blocks only (ParamGroup.layers: a MoE model's experts, its dense layers' MLP): its tensors
         # in the trained ones (a DeepSeek-V3 freeze counted none of its experts trainable, the count over every block
         # rounding down to 0)
-        held = g.layers or range(blocks)
+        held = g.holding(blocks)
         k = g.count // len(held) * sum(1 for b in held if b >= blocks - trained_blocks(spec, t))
         out += [g.model_copy(update={"count": k, "trainable": True})] if k else []
         out += [g.model_copy(update={"count": g.count - k, "trainable": False})] if g.count > k else []
@@ -442,9 +442,9 @@ def lora_acts(spec: ModelSpec, t: Tuning, dropout: float, compute_bytes: int = H
         if "*" not in g.module:
             stack, per = "head", g.count
         elif in_decoder(spec, g.module):
-            stack, per = "decoder_layer", g.count // len(g.layers or range(spec.num_decoder_layers))
+            stack, per = "decoder_layer", g.count // len(g.holding(spec.num_decoder_layers))
         else:
-            stack, per = "layer", g.count // len(g.layers or range(spec.num_layers))
+            stack, per = "layer", g.count // len(g.holding(spec.num_layers))
         stacks[stack][key] = stacks[stack].get(key, 0) + per
     pack = lambda d: tuple(AdapterInput(w, inner, n, held) for (_, w, inner, held), n in sorted(d.items()))  # noqa: E731
     merged = sum(g.numel * g.count for g in spec.params if g.category == "experts" and moe_adapters(spec, t, g))

@@ -34,7 +34,7 @@ from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_wind
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
-from memplan.estimator.timeline import Events, holders, spread, walk_no_grad_block
+from memplan.estimator.timeline import Events, holders, module_order, spread, walk_no_grad_block
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -108,7 +108,7 @@ class _Serve:
         self.casts_made = False
 
     def run(self) -> None:
-        for g, n in _module_order(self.spec, self.blocks):
+        for g, n in module_order(self.spec.params, self.blocks):
             for _ in range(n):
                 self.sim.alloc(g.numel * weight_bytes(self.fmt, self.spec, g))
         if self.spec.buffer_bytes:
@@ -260,10 +260,3 @@ def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
     return per
 
 
-def _module_order(spec: ModelSpec, blocks: list[list[tuple[ParamGroup, int]]]) -> list[tuple[ParamGroup, int]]:
-    """The parameter tensors in module order, as (group, tensors): the embeddings, each block's, then the rest
-    (final norms, poolers) and the head last."""
-    outside = [g for g in spec.params if "*" not in g.module]
-    first = [(g, g.count) for g in outside if g.category == "embeddings"]
-    last = sorted(((g, g.count) for g in outside if g.category != "embeddings"), key=lambda x: x[0].category == "head")
-    return first + [x for groups in blocks for x in groups] + last

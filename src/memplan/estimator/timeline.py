@@ -13,7 +13,7 @@ first creates the optimizer states) of at most two micro batches each: the alloc
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, Sequence
 
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import (ActivationModel, LayerKind, Tensors, TensorKind, expert_loop,
@@ -204,14 +204,23 @@ class _Block(NamedTuple):
     am: ActivationModel  # its layer's own lists (ActsKey.layer_models), else the mean layer's
 
 
-def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> range | list[int]:
+def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> list[int]:
     """The blocks among `blocks` (of `stack`) that hold group g (ParamGroup.layers: a MoE model's experts, its dense
     layers' MLP, T5's relative_attention_bias; (): all of them)."""
-    if not g.layers:
-        return blocks
-    held = [b for b in blocks if b - stack.start in g.layers]
-    assert held, f"{g.module}: none of blocks {list(blocks)} holds it"  # finetune.tuned_params splits by layers
+    held = [b for b in blocks if b - stack.start in g.holding(len(stack))]
+    assert held or not blocks, f"{g.module}: none of blocks {list(blocks)} holds it"  # tuned_params splits by layers
     return held
+
+
+def module_order(groups: Sequence[ParamGroup],
+                 blocks: list[list[tuple[ParamGroup, int]]]) -> list[tuple[ParamGroup, int]]:
+    """The parameter tensors in model.parameters() order, as (group, tensors): the embeddings, each block's (`blocks`:
+    its groups and tensors of each), then the rest (final norms, poolers) and the head last. The serving replay's
+    weights are loaded in it, the optimizer makes its states in it."""
+    outside = [g for g in groups if "*" not in g.module]
+    first = [(g, g.count) for g in outside if g.category == "embeddings"]
+    last = sorted(((g, g.count) for g in outside if g.category != "embeddings"), key=lambda x: x[0].category == "head")
+    return first + [x for b in blocks for x in b] + last
 
 
 def spread(count: int, blocks: range | list[int]) -> dict[int, int]:
@@ -547,20 +556,16 @@ class _Step:
             self.grad(i, n)
         self.sim.free(again + held)
 
-    def in_module_order(self) -> list[tuple[int, int]]:
-        """The trained parameter tensors as (group index, tensors) in model.parameters() order, the optimizer's: the
-        embeddings, each block's, then the rest (final norms, the head)."""
-        outside = [(i, g.count) for i, g in enumerate(self.groups) if "*" not in g.module]
-        first = [(i, n) for i, n in outside if self.groups[i].category == "embeddings"]
-        order = first + [gn for b in self.blocks for gn in b.groups] + [gn for gn in outside if gn not in first]
-        return [(i, n) for i, n in order if self.groups[i].trainable]
+    def trained_in_order(self) -> list[tuple[ParamGroup, int]]:
+        """The trained parameter tensors as (group, tensors) in the optimizer's order (module_order)."""
+        blocks = [[(self.groups[i], n) for i, n in b.groups] for b in self.blocks]
+        return [(g, n) for g, n in module_order(self.groups, blocks) if g.trainable]
 
     def optimizer_step(self, first: bool) -> None:
         rule = self.rule
         trained = [g for g in self.groups if g.trainable]
 
-        def states(i: int, n: int) -> None:  # one tensor per state, as states.py packs them
-            g = self.groups[i]
+        def states(g: ParamGroup, n: int) -> None:  # one tensor per state, as states.py packs them
             if paged(rule, g):  # CUDA managed memory, outside the caching allocator
                 return
             size = optimizer_state_bytes(rule, g.shape, element_bytes(g, self.prec.param), self.k.momentum)
@@ -568,25 +573,24 @@ class _Step:
             for _ in range(n * per if size else 0):
                 self.sim.alloc(size / per)
 
-        def temps(i: int, n: int) -> None:  # a Python loop: one tensor's temporaries at a time
-            g = self.groups[i]
+        def temps(g: ParamGroup, n: int) -> None:  # a Python loop: one tensor's temporaries at a time
             for _ in range(n):
                 made = [self.sim.alloc(g.numel * FP32) for _ in range(int(per_tensor_temps(rule, g, self.prec)))]
                 self.sim.free(made)
 
         if rule.per_param_states:  # made lazily in the per-parameter loop, each beside its parameter's update
-            for i, n in self.in_module_order():
+            for g, n in self.trained_in_order():
                 if first:
-                    states(i, n)
+                    states(g, n)
                 if rule.per_tensor_temp:
-                    temps(i, n)
+                    temps(g, n)
         else:
             if first:
-                for i, n in self.in_module_order():
-                    states(i, n)
+                for g, n in self.trained_in_order():
+                    states(g, n)
             if rule.per_tensor_temp:
-                for i, n in self.in_module_order():
-                    temps(i, n)
+                for g, n in self.trained_in_order():
+                    temps(g, n)
         if rule.foreach_temp:  # foreach: the whole group's at once
             self.sim.free([self.sim.alloc(g.numel * element_bytes(g, self.prec.param) * rule.foreach_temp)
                            for g in trained for _ in range(g.count)])

@@ -384,8 +384,9 @@ def _moe_fields(cfg: Any) -> dict[str, Any]:
     dense = tuple(i for i in range(L) if i < first_k or i in mlp_only or (i + 1) % step)
     moe_layers = _get(cfg, "moe_layers")
     if moe_layers is not None:  # Llama 4: the experts are intermediate_size, dense layers intermediate_size_mlp
+        routed = set(moe_layers)
         expert, shared, dense = cfg.intermediate_size, cfg.intermediate_size, tuple(
-            i for i in range(L) if i not in set(moe_layers))
+            i for i in range(L) if i not in routed)
     out = dict(expert_intermediate_size=int(expert), shared_expert_intermediate_size=int(shared), dense_layer_ids=dense)
     if moe_layers is not None:
         out["intermediate_size"] = int(cfg.intermediate_size_mlp)

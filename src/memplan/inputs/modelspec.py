@@ -77,6 +77,10 @@ class ParamGroup(Derived):
 
     # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
     # frozen model; it is not a field)
+    def holding(self, blocks: int) -> tuple[int, ...] | range:
+        """The blocks of its stack (`blocks` of them) that hold it (`layers`, or every one)."""
+        return self.layers or range(blocks)
+
     @cached_property
     def numel(self) -> int:
         """Elements of one tensor of this group."""
