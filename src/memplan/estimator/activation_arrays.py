@@ -81,8 +81,12 @@ class ActsKey(NamedTuple):
 
     def layer_models(self, b: int) -> tuple[ActivationModel, ...]:
         """Each layer's own model (one per kind, shared by its layers) where the layers differ
-        (activations.layer_kinds; a traced model has the mean layer only), else ()."""
-        kinds = () if self.spec.traced_config else layer_kinds(self.spec)
+        (activations.layer_kinds; a traced model's: each layer type's traced block, traced.layer_types), else ()."""
+        if self.spec.traced_config:
+            types = self.spec.layer_types if traced.layer_types(self.trace_key) else ()
+            by_type = {t: traced.activations(self.trace_key, b, self.seq, t) for t in dict.fromkeys(types)}
+            return tuple(by_type[t] for t in types)
+        kinds = layer_kinds(self.spec)
         # a kind's model from its first layer (its LoRA adapters: LoraActs.at_layer)
         models = {k: (self if self.lora is None else self._replace(lora=self.lora.at_layer(kinds.index(k)))).model(b, k)
                   for k in dict.fromkeys(kinds)}

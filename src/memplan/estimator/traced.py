@@ -39,7 +39,7 @@ from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.trace import SAVED
 
-FORMAT = 8  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 9  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
@@ -84,6 +84,11 @@ class Coefficients:
     # per SEQUENCES entry: its storages in order (inputs/trace.py sequence), (n, coefficients) where the n-th is
     # born, (~n, ()) where it dies, (SAVED - k, ()) where the block's k-th saved storage is born
     sequences: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...] = ()
+    # where the layer types differ (Gemma 3's, Cohere 2's sliding and full layers): each type's traced block, as
+    # (type, its saved storages at full size, its forward's sequence), for the replay's blocks of that type (the
+    # mean `layer` weighs each type's storages by its share: sizes no real layer has, which pack into segments
+    # as none does)
+    kinds: tuple[tuple[str, tuple[tuple[float, ...], ...], tuple[tuple[int, tuple[float, ...]], ...]], ...] = ()
 
 
 def cache_dir() -> Path:
@@ -147,10 +152,19 @@ def fit(points: list[tuple[int, int]], values: np.ndarray) -> tuple[np.ndarray, 
 
 
 # -- the activation model at one workload ----------------------------------------------------------------------
-def activations(key: TraceKey, b: int, s: int) -> ActivationModel:
+def layer_types(key: TraceKey) -> tuple[str, ...]:
+    """The layer types whose blocks were traced one by one (Coefficients.kinds); (): the mean layer only."""
+    return tuple(t for t, _, _ in coefficients(key).kinds)
+
+
+def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None) -> ActivationModel:
     """The traced counterpart of activations.training_activations at micro batch b and sequence s (no TP, LoRA,
-    selective or kernels: the constraints refuse them for traced models)."""
+    selective or kernels: the constraints refuse them for traced models); with `layer_type` (one of layer_types)
+    that type's block replaces the mean layer's list and its forward's sequence."""
     c = coefficients(key)
+    own = next(((rows, seq) for t, rows, seq in c.kinds if t == layer_type), None)
+    if own is not None:
+        c = replace(c, layer=own[0], sequences=(own[1],) + c.sequences[1:])
 
     def saved(name: str, rows, lsm=()) -> list[Tensors]:
         kinds = list(lsm) + [False] * (len(rows) - len(lsm))
@@ -206,10 +220,12 @@ def coefficients(key: TraceKey) -> Coefficients:
 
 def _from_doc(d: dict, path: str) -> Coefficients:
     t = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
-    seqs = tuple(tuple((int(n), tuple(float(x) for x in c)) for n, c in q) for q in d["sequences"])
+    q = lambda seq: tuple((int(n), tuple(float(x) for x in c)) for n, c in seq)  # noqa: E731
+    kinds = tuple((str(name), t(rows), q(seq)) for name, rows, seq in d["kinds"])
     return Coefficients(t(d["layer"]), t(d["decoder_layer"]), t(d["embed"]), t(d["head"]),
                         tuple(bool(x) for x in d["lsm"]), t(d["layer_input"]),
-                        tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path, seqs)
+                        tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path,
+                        tuple(q(seq) for seq in d["sequences"]), kinds)
 
 
 def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
@@ -255,8 +271,22 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     # block per stack, its storages fitted one by one)
     sequences = tuple(q if _markers_fit(name, layer, head, kept[0], enc) else tuple((n, c) for n, c in q if n > SAVED)
                       for name, q in zip(SEQUENCES, sequences))
+    kinds = _kinds(layout, lambda get: rows(get, plain), points, kept) if len(enc) > 2 and layout.types else ()
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
-                        round(time.perf_counter() - t0, 2), path, sequences)
+                        round(time.perf_counter() - t0, 2), path, sequences, kinds)
+
+
+def _kinds(layout, rows, points: list[tuple[int, int]], kept: list[dict]) -> tuple:
+    """Each traced layer type's block (Coefficients.kinds): block 1 on, one a type (inputs/trace.py _trace_types),
+    its storages fitted one by one and its forward's sequence; the markers kept where they name those storages."""
+    out = []
+    for k in layout.stacks[0][1:]:
+        own = rows(lambda m, k=k: m["saved"].get(f"block{k}", []))
+        seq = _sequence(points, [m["block_forward"][k] for m in kept])
+        if len(own) != len(kept[0]["saved"].get(f"block{k}", [])):
+            seq = tuple((n, c) for n, c in seq if n > SAVED)
+        out.append((layout.types[k], own, seq))
+    return tuple(out)
 
 
 def _markers_fit(name: str, layer: tuple, head: tuple, m: dict, enc: list[int]) -> bool:

@@ -224,9 +224,12 @@ def _read(tracker, marks: _Marks, backward_at: int) -> dict[str, Any]:
         "loss_backward": sequence(allocs, events, ours, saved_set, backward_at, marks.bwd_start[last]),
         "layer_backward": sequence(allocs, events, ours, saved_set, marks.bwd_start[last], marks.bwd_end[last]),
     }
+    # every block's forward, for a model whose layer types differ (each type's block replays its own)
+    blocks = {k: sequence(allocs, events, ours, saved_set, marks.start[k], marks.end[k], by_region.get(f"block{k}", []))
+              for k in marks.order if k in marks.end}
     return {"saved": {r: [allocs[i].nbytes for i in ids] for r, ids in by_region.items()},
             "lsm": [i in lsm_set for i in by_region.get("head", [])], "windows": windows,
-            "sequences": sequences, "order": list(marks.order)}
+            "sequences": sequences, "block_forward": blocks, "order": list(marks.order)}
 
 
 def sequence(allocs, events, ours, saved: set[int], lo: int, hi: int,
@@ -284,6 +287,7 @@ class Layout(NamedTuple):
     stacks: tuple[list[int], list[int]]  # the blocks of each stack (encoder-or-decoder-only, decoder) as they ran
     weights: dict[int, float]  # block -> its share of its stack's layers (its layer type's); block 0: the first
     layer_counts: tuple[int, int]  # the full model's layers per stack
+    types: tuple[str, ...] = ()  # each traced block's layer type (_trace_types); (): the model has none
 
 
 def trace_points(key) -> tuple[Layout, list[tuple[int, int, dict[str, Any]]]]:
@@ -316,7 +320,7 @@ def trace_points(key) -> tuple[Layout, list[tuple[int, int, dict[str, Any]]]]:
         return Layout((order[:half], order[half:]), {k: 1.0 for k in order}, counts), runs
     # block 0 is the first layer, which may keep more (T5's position bias): block 1 on are the layers' types
     shares = {k: spec.layer_types.count(t) / len(spec.layer_types) for k, t in enumerate(types) if k} or {1: 1.0}
-    return Layout((order, []), shares, (spec.num_layers, 0)), runs
+    return Layout((order, []), shares, (spec.num_layers, 0), types), runs
 
 
 def _trace_types(types: tuple[str, ...]) -> tuple[str, ...]:
