@@ -181,5 +181,29 @@ def test_each_layer_type_replays_its_own_traced_block():
         markers = [SAVED - n for n, _ in own[t].sequences["layer_forward"] if n <= SAVED]
         assert markers == sorted(set(markers)) and set(range(1, len(own[t].layer))) <= set(markers) <= set(
             range(len(own[t].layer)))
-    layers = acts.layer_models(2)
-    assert [next(t for t in types if am.layer == own[t].layer) for am in layers] == list(spec.layer_types)
+    layers = acts.layer_models(2)  # the first block its own (test_each_stacks_first_block_replays_its_own)
+    assert [next(t for t in types if am.layer == own[t].layer) for am in layers[1:]] == list(spec.layer_types[1:])
+
+
+def test_each_stacks_first_block_replays_its_own():
+    """T5's first blocks compute the position bias the others are handed: their forward makes the relative-position
+    buckets' int64 s x s transients (2 MiB at s 512) and they keep more. The step counts the more as one storage
+    with the embeddings (kind FIRST_BLOCK); the replay makes each first block's own list and forward instead of it."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.estimator.activations import TensorKind
+    from memplan.inputs.workload import Workload
+
+    spec = memplan.resolve_model(str(CONFIGS / "mt5-small.json"))
+    acts = ActsKey.of(spec, Workload(precision="bf16", seq_len=512, micro_batch=2, optim="adamw_torch_fused"))
+    mean, layers, enc = acts.model(2), acts.layer_models(2), spec.num_layers
+    assert len(layers) == enc + spec.num_decoder_layers
+    assert all(layers[b] == mean for b in range(len(layers)) if b not in (0, enc))
+    lumps = [t for t in mean.embed if t.kind is TensorKind.FIRST_BLOCK]
+    total = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
+    assert len(lumps) == 2 and all(t.nbytes > 0 for t in lumps)
+    assert total(layers[0].layer) == pytest.approx(total(mean.layer) + lumps[0].nbytes, rel=1e-6)
+    assert total(layers[enc].decoder_layer) == pytest.approx(total(mean.decoder_layer) + lumps[1].nbytes, rel=1e-6)
+    # the buckets' transients (the rest of a block's 2 MiB ones: its d_ff-wide intermediates, b s 1024 bf16)
+    buckets = lambda am: sum(n >= 0 and x == pytest.approx(8 * 512 * 512, rel=1e-3)  # noqa: E731
+                             for n, x in am.sequences["layer_forward"])
+    assert all(buckets(layers[b]) >= buckets(mean) + 8 for b in (0, enc))

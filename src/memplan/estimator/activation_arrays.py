@@ -83,14 +83,25 @@ class ActsKey(NamedTuple):
         """Each layer's own model (one per kind, shared by its layers) where the layers differ
         (activations.layer_kinds; a traced model's: each layer type's traced block, traced.layer_types), else ()."""
         if self.spec.traced_config:
-            types = self.spec.layer_types if traced.layer_types(self.trace_key) else ()
-            by_type = {t: traced.activations(self.trace_key, b, self.seq, t) for t in dict.fromkeys(types)}
-            return tuple(by_type[t] for t in types)
+            return self._traced_layers(b)
         kinds = layer_kinds(self.spec)
         # a kind's model from its first layer (its LoRA adapters: LoraActs.at_layer)
         models = {k: (self if self.lora is None else self._replace(lora=self.lora.at_layer(kinds.index(k)))).model(b, k)
                   for k in dict.fromkeys(kinds)}
         return tuple(models[k] for k in kinds)
+
+    def _traced_layers(self, b: int) -> tuple[ActivationModel, ...]:
+        """A traced model's blocks: each layer its type's traced block (traced.layer_types) or the mean layer, and
+        each stack's first block its own (traced.Coefficients.first_blocks)."""
+        key, enc = self.trace_key, self.spec.num_layers
+        types = self.spec.layer_types if traced.layer_types(key) else ()
+        by_type = {t: traced.activations(key, b, self.seq, t) for t in dict.fromkeys(types)}
+        mean = self.model(b)
+        out = [by_type[types[i]] if types else mean for i in range(enc)] + [mean] * self.spec.num_decoder_layers
+        starts = (0, enc) if self.spec.num_decoder_layers else (0,)
+        for stack, start in enumerate(starts):
+            out[start] = traced.activations(key, b, self.seq, types[0] if types and not stack else None, stack)
+        return tuple(out)
 
 
 class Units(NamedTuple):

@@ -282,6 +282,8 @@ class _Step:
         # allocator simulation of its trace, benchmarks/accuracy/results/accuracy.md)
         layers = k.acts.layer_models(k.micro_batch)
         self.blocks = block_table(k.spec, k.tuning, self.groups, self.am, layers)
+        # a traced model's first blocks make their own storages (their own models), not the step's stand-in for them
+        self.embed = [t for t in self.am.embed if not (layers and t.kind is TensorKind.FIRST_BLOCK)]
         # the embedding matrix a tied LM head uses (None: no tied head)
         self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
             if tied_head(k.spec) else None
@@ -445,7 +447,7 @@ class _Step:
 
     def micro_batch(self) -> None:
         full = self.k.grad_ckpt == "full"
-        embed = self.tensors(self.am.embed)
+        embed = self.tensors(self.embed)
         masks = self.tensors(self.am.forward_masks)
         cached: list[int] = []
         held = [self.forward(b, full, cached, walk) for b, walk in zip(self.blocks, self.walks)]

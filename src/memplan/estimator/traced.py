@@ -39,7 +39,7 @@ from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.trace import SAVED
 
-FORMAT = 9  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 10  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
@@ -89,6 +89,11 @@ class Coefficients:
     # mean `layer` weighs each type's storages by its share: sizes no real layer has, which pack into segments
     # as none does)
     kinds: tuple[tuple[str, tuple[tuple[float, ...], ...], tuple[tuple[int, tuple[float, ...]], ...]], ...] = ()
+    # each stack's first block, as (its saved storages, its forward's sequence): it computes what the others are
+    # handed (T5's position bias: the relative-position buckets' int64 s x s transients, 2 MiB each at s 512), and
+    # keeps more; the step counts the more as one storage with the embeddings (kind FIRST_BLOCK), the replay makes
+    # the block's own
+    first_blocks: tuple[tuple[tuple[tuple[float, ...], ...], tuple[tuple[int, tuple[float, ...]], ...]], ...] = ()
 
 
 def cache_dir() -> Path:
@@ -157,14 +162,19 @@ def layer_types(key: TraceKey) -> tuple[str, ...]:
     return tuple(t for t, _, _ in coefficients(key).kinds)
 
 
-def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None) -> ActivationModel:
+def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None,
+                first_of: int | None = None) -> ActivationModel:
     """The traced counterpart of activations.training_activations at micro batch b and sequence s (no TP, LoRA,
     selective or kernels: the constraints refuse them for traced models); with `layer_type` (one of layer_types)
-    that type's block replaces the mean layer's list and its forward's sequence."""
+    that type's block replaces the mean layer's list and its forward's sequence, with `first_of` (0: the encoder or
+    only stack, 1: the decoder) that stack's first block (Coefficients.first_blocks)."""
     c = coefficients(key)
     own = next(((rows, seq) for t, rows, seq in c.kinds if t == layer_type), None)
     if own is not None:
         c = replace(c, layer=own[0], sequences=(own[1],) + c.sequences[1:])
+    if first_of is not None:
+        rows, seq = c.first_blocks[first_of]
+        c = replace(c, **{"decoder_layer" if first_of else "layer": rows}, sequences=(seq,) + c.sequences[1:])
 
     def saved(name: str, rows, lsm=()) -> list[Tensors]:
         kinds = list(lsm) + [False] * (len(rows) - len(lsm))
@@ -183,8 +193,12 @@ def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None) ->
         layer_backward = [replace(layer_backward[0], nbytes=max(0.0, layer_backward[0].nbytes - recompute))]
     sequences = {name: [(n, max(0.0, evaluate(r, b, s)) if r else 0.0) for n, r in q]
                  for name, q in zip(SEQUENCES, c.sequences)}
+    embed = saved("embeddings", c.embed)
+    firsts = len(c.first_blocks)
+    if firsts and not key.checkpointed:  # checkpointed, the first blocks' more is what they keep into backward
+        embed = embed[:len(embed) - firsts] + [replace(t, kind=TensorKind.FIRST_BLOCK) for t in embed[-firsts:]]
     return ActivationModel(
-        layer=layer, decoder_layer=decoder, embed=saved("embeddings", c.embed), head_saved=saved("head", c.head, c.lsm),
+        layer=layer, decoder_layer=decoder, embed=embed, head_saved=saved("head", c.head, c.lsm),
         layer_input=saved("checkpointed block input", c.layer_input),
         layer_backward=layer_backward, layer_core=[], loss_forward=moment("loss_forward"),
         loss_backward=moment("loss_backward"), sequences=sequences)
@@ -222,10 +236,11 @@ def _from_doc(d: dict, path: str) -> Coefficients:
     t = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
     q = lambda seq: tuple((int(n), tuple(float(x) for x in c)) for n, c in seq)  # noqa: E731
     kinds = tuple((str(name), t(rows), q(seq)) for name, rows, seq in d["kinds"])
+    firsts = tuple((t(rows), q(seq)) for rows, seq in d["first_blocks"])
     return Coefficients(t(d["layer"]), t(d["decoder_layer"]), t(d["embed"]), t(d["head"]),
                         tuple(bool(x) for x in d["lsm"]), t(d["layer_input"]),
                         tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path,
-                        tuple(q(seq) for seq in d["sequences"]), kinds)
+                        tuple(q(seq) for seq in d["sequences"]), kinds, firsts)
 
 
 def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
@@ -271,22 +286,22 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     # block per stack, its storages fitted one by one)
     sequences = tuple(q if _markers_fit(name, layer, head, kept[0], enc) else tuple((n, c) for n, c in q if n > SAVED)
                       for name, q in zip(SEQUENCES, sequences))
-    kinds = _kinds(layout, lambda get: rows(get, plain), points, kept) if len(enc) > 2 and layout.types else ()
+    plain_rows = lambda get: rows(get, plain)  # noqa: E731
+    kinds = tuple((layout.types[k],) + _block(k, plain_rows, points, kept)
+                  for k in enc[1:]) if len(enc) > 2 and layout.types else ()
+    first_blocks = tuple(_block(st[0], plain_rows, points, kept) for st in (enc, dec) if st)
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
-                        round(time.perf_counter() - t0, 2), path, sequences, kinds)
+                        round(time.perf_counter() - t0, 2), path, sequences, kinds, first_blocks)
 
 
-def _kinds(layout, rows, points: list[tuple[int, int]], kept: list[dict]) -> tuple:
-    """Each traced layer type's block (Coefficients.kinds): block 1 on, one a type (inputs/trace.py _trace_types),
-    its storages fitted one by one and its forward's sequence; the markers kept where they name those storages."""
-    out = []
-    for k in layout.stacks[0][1:]:
-        own = rows(lambda m, k=k: m["saved"].get(f"block{k}", []))
-        seq = _sequence(points, [m["block_forward"][k] for m in kept])
-        if len(own) != len(kept[0]["saved"].get(f"block{k}", [])):
-            seq = tuple((n, c) for n, c in seq if n > SAVED)
-        out.append((layout.types[k], own, seq))
-    return tuple(out)
+def _block(k: int, rows, points: list[tuple[int, int]], kept: list[dict]) -> tuple:
+    """Traced block k whole (Coefficients.kinds, first_blocks): its saved storages fitted one by one and its
+    forward's sequence, the markers kept where they name those storages."""
+    own = rows(lambda m: m["saved"].get(f"block{k}", []))
+    seq = _sequence(points, [m["block_forward"][k] for m in kept])
+    if len(own) != len(kept[0]["saved"].get(f"block{k}", [])):
+        seq = tuple((n, c) for n, c in seq if n > SAVED)
+    return own, seq
 
 
 def _markers_fit(name: str, layer: tuple, head: tuple, m: dict, enc: list[int]) -> bool:
