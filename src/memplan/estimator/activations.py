@@ -1145,8 +1145,9 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     if spec.arch == "vision":  # the images stay alive through the forward, in the weights' dtype
         pixels = [Tensors("pixel values", r * b * spec.num_channels * spec.image_size ** 2)]
         around, head = around + pixels, head + pixels
+    layer = _shared_expert_moments(spec, T, p, r, mlp[:1], kind)
     mlp = mlp + _kept_probabilities(spec, b, s, p, r, attn, context)
-    layer = {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
+    layer |= {"mlp": mlp} | _inference_attention(spec, b, s, p, r, attn, context, post_norm)
     if spec.norm == "rmsnorm" and r != FP32:
         # in pure half an RMSNorm's fp32 input copy and its fp32 normalised product, before each of a block's two
         # norms return (traced: OLMo 2 bf16-pure's small pool peaks there; under autocast the stream is fp32 already);
@@ -1157,6 +1158,26 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     # "around": what every layer reads, the first entries of each layer moment's list (the serving replay makes them
     # once a forward: serving_timeline.py)
     return {k: around + ts for k, ts in layer.items()} | {"head": head, "around": around}
+
+
+def _shared_expert_moments(spec: ModelSpec, T: int, p: int, r: int, streams: list[Tensors],
+                           kind: LayerKind | None) -> dict[str, list[Tensors]]:
+    """A MoE layer's shared experts, which run after the routed ones (DeepseekV3MoE, Glm4MoeMoE: hidden_states =
+    experts(...) + shared_experts(residuals)), for the serving replay: the routed output (cast back to the stream's
+    dtype) beside the shared MLP's intermediates, then beside its product and its down projection's output; the
+    block's sum follows (traced, deepseek_v3-moe-small bf16-pure serving: the small pool peaks at that sum with the
+    residual stream held four times, the routed and the shared outputs). Llama4TextMoe runs its shared expert
+    first (moe_all_experts: not these moments)."""
+    fam = family(spec.model_type)
+    fs = spec.shared_expert_intermediate_size
+    if not fs or fam.moe_all_experts or True not in mlp_kinds(spec, kind):
+        return {}
+    h = spec.hidden_size
+    n_f = (4 if fam.gated_up_linears == 1 else 3) if spec.mlp == "gated" else 2
+    routed = Tensors("routed experts' output", r * h * T)
+    return {"shared experts": streams + [routed, Tensors("shared experts' intermediates", p * fs * T, n_f)],
+            "shared down": streams + [routed, Tensors("shared experts' product", p * fs * T),
+                                      Tensors("shared experts' output", p * h * T)]}
 
 
 def _kept_probabilities(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int) -> list[Tensors]:

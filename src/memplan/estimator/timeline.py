@@ -140,7 +140,7 @@ class Events:
 # (serving_timeline.py) and full checkpointing's first forward (_Step.forward) walk it. The moments of a block, in
 # the order its forward reaches them (its first norm, RoPE, eager's scores before their mask, the attention core,
 # the second norm, then the MLP); their live tensors are activations.inference_working_set's.
-MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp")
+MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp", "shared experts", "shared down")
 
 
 def own_sizes(moment: list[Tensors], around: list[Tensors], stream: int) -> list[int]:
