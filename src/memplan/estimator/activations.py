@@ -207,7 +207,7 @@ def _qk_norms(spec: ModelSpec, T: int, prec: Precision, kind: LayerKind | None =
     rep = not per_head
     # Llama 4's L2 norm (Llama4TextL2Norm: x.float() * rsqrt(mean(x^2) + eps), type_as back) has no weight, so no
     # normalised tensor; it runs on the RoPE layers only: the mean layer takes their share
-    share = 1.0 if spec.qk_norm_layers is None or kind is not None else spec.qk_norm_layers / spec.num_layers
+    share = 1.0 if kind is not None else spec.qk_norm_share
     out: list[Tensors] = []
     for name, heads in (("q", a), ("k", k)):
         out += [Tensors(f"{name}_norm fp32 input", share * FP32 * heads * d * T, rep=rep),

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 
 from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, layer_kinds
 from memplan.estimator.families import family
-from memplan.estimator.finetune import in_decoder
 from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
                                          serving_widths, weight_bytes)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
-from memplan.estimator.timeline import Events, holders, module_order, spread, walk_no_grad_block
+from memplan.estimator.timeline import Events, block_groups, module_order, walk_no_grad_block
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -250,13 +249,6 @@ class _Serve:
 
 def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
     """Each block's parameter groups and how many tensors of each it has (encoder blocks, then decoder blocks)."""
-    enc, dec = spec.num_layers, spec.num_decoder_layers
-    per: list[list[tuple[ParamGroup, int]]] = [[] for _ in range(enc + dec)]
-    for g in spec.params:
-        if "*" in g.module:
-            stack = range(enc, enc + dec) if in_decoder(spec, g.module) else range(enc)
-            for b, n in spread(g.count, holders(g, stack, stack)).items():
-                per[b].append((g, n))
-    return per
+    return [[(spec.params[i], n) for i, n in blk] for blk in block_groups(spec, spec.params)]
 
 

@@ -13,7 +13,7 @@ first creates the optimizer states) of at most two micro batches each: the alloc
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import (ActivationModel, LayerKind, Tensors, TensorKind, expert_loop,
@@ -204,6 +204,23 @@ class _Block(NamedTuple):
     am: ActivationModel  # its layer's own lists (ActsKey.layer_models), else the mean layer's
 
 
+def block_groups(spec: ModelSpec, groups: Sequence[ParamGroup],
+                 narrowed: Callable[[ParamGroup, range], range] | None = None) -> list[list[tuple[int, int]]]:
+    """Each block's parameter groups, as (index in `groups`, tensors of it in the block), encoder (or decoder-only)
+    blocks first; groups outside the blocks (embeddings, head, final norms) are in none. narrowed(g, stack): the
+    blocks of g's stack that may hold it (freeze's trained or frozen ones), else the whole stack; of those, the
+    ones that do (holders)."""
+    enc, dec = spec.num_layers, spec.num_decoder_layers
+    per: list[list[tuple[int, int]]] = [[] for _ in range(enc + dec)]
+    for i, g in enumerate(groups):
+        if "*" not in g.module:
+            continue
+        stack = range(enc, enc + dec) if in_decoder(spec, g.module) else range(enc)
+        for b, n in spread(g.count, holders(g, stack, narrowed(g, stack) if narrowed else stack)).items():
+            per[b].append((i, n))
+    return per
+
+
 def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> list[int]:
     """The blocks among `blocks` (of `stack`) that hold group g (ParamGroup.layers: a MoE model's experts, its dense
     layers' MLP, T5's relative_attention_bias; (): all of them)."""
@@ -236,20 +253,16 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], mean
     before them are recorded only when a trained embedding makes their input require a gradient. layers: each
     encoder (or decoder-only) layer's own model where the layers differ, else every block takes the mean one."""
     enc, dec = spec.num_layers, spec.num_decoder_layers
-    stacks = {"encoder": range(enc), "decoder": range(enc, enc + dec)}
     trained = trained_blocks(spec, t) if t.method == "freeze" else stack_blocks(spec)
-    head = stacks["decoder" if dec else "encoder"]
+    head = range(enc, enc + dec) if dec else range(enc)
     trained_range = range(head.stop - trained, head.stop)
-    per: dict[int, list[tuple[int, int]]] = {b: [] for b in range(enc + dec)}
-    for i, g in enumerate(groups):
-        if "*" not in g.module:  # outside the blocks: the embeddings, the head, a final norm
-            continue
-        stack = stacks["decoder" if in_decoder(spec, g.module) else "encoder"]
-        blocks: range | list[int] = stack
+
+    def frozen_split(g: ParamGroup, stack: range) -> range:
         if t.method == "freeze" and head_stack(spec, g.module) and not under(g.module, t.modules_to_save):
-            blocks = trained_range if g.trainable else range(head.start, trained_range.start)
-        for b, n in spread(g.count, holders(g, stack, blocks)).items():
-            per[b].append((i, n))
+            return trained_range if g.trainable else range(head.start, trained_range.start)
+        return stack
+
+    per = block_groups(spec, groups, frozen_split)
     frozen_recorded = records_frozen_blocks(spec, t)
     out = []
     for b in range(enc + dec):

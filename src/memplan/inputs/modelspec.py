@@ -237,6 +237,11 @@ class ModelSpec(Derived):
         return None if self.qk_norm_layer_ids is None else len(self.qk_norm_layer_ids)
 
     @property
+    def qk_norm_share(self) -> float:
+        """The share of the layers with the q/k norm (Llama 4: its RoPE layers), for a mean layer's terms."""
+        return 1.0 if self.qk_norm_layer_ids is None else len(self.qk_norm_layer_ids) / self.num_layers
+
+    @property
     def moe_layers(self) -> int:
         """Layers with routed experts (all of them in Mixtral)."""
         return self.num_layers - self.dense_layers if self.is_moe else 0

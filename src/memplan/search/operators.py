@@ -226,9 +226,8 @@ def _qk_norm_moves(spec: ModelSpec, tp: int) -> float:
     fam = family(spec.model_type)
     if fam.qk_norm is None or spec.qk_norm_layers == 0:
         return 0.0
-    share = 1.0 if spec.qk_norm_layers is None else spec.qk_norm_layers / spec.num_layers
     elements = (spec.num_heads + spec.num_kv_heads) * spec.head_dim / (tp if fam.qk_norm != "full" else 1)
-    return NORM_MOVES * elements * share
+    return NORM_MOVES * elements * spec.qk_norm_share
 
 
 def _act_moves(spec: ModelSpec, tp: int) -> float:
