@@ -80,8 +80,8 @@ class ActsKey(NamedTuple):
                                     frozen_blocks=self.frozen_blocks, kind=kind)
 
     def layer_models(self, b: int) -> tuple[ActivationModel, ...]:
-        """Each layer's own model (one per kind, shared by its layers) where the layers differ
-        (activations.layer_kinds; a traced model's: each layer type's traced block, traced.layer_types), else ()."""
+        """Each block's own model (one per kind, shared by its layers) where the layers differ (activations.layer_kinds),
+        else (); a traced model's blocks always (_traced_layers: each stack's first block differs)."""
         if self.spec.traced_config:
             return self._traced_layers(b)
         kinds = layer_kinds(self.spec)
@@ -100,7 +100,7 @@ class ActsKey(NamedTuple):
         out = [by_type[types[i]] if types else mean for i in range(enc)] + [mean] * self.spec.num_decoder_layers
         starts = (0, enc) if self.spec.num_decoder_layers else (0,)
         for stack, start in enumerate(starts):
-            out[start] = traced.activations(key, b, self.seq, types[0] if types and not stack else None, stack)
+            out[start] = traced.activations(key, b, self.seq, first_of=stack)
         return tuple(out)
 
 

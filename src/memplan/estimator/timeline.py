@@ -251,7 +251,7 @@ def block_table(spec: ModelSpec, t: Tuning, groups: tuple[ParamGroup, ...], mean
     """Each block's saved list and parameter tensors, encoder (or decoder-only) blocks first. freeze trains the
     last K blocks of the stack next to the head (finetune.tuned_params splits its groups so); the frozen blocks
     before them are recorded only when a trained embedding makes their input require a gradient. layers: each
-    encoder (or decoder-only) layer's own model where the layers differ, else every block takes the mean one."""
+    block's own model where the blocks differ (ActsKey.layer_models), else every block takes the mean one."""
     enc, dec = spec.num_layers, spec.num_decoder_layers
     trained = trained_blocks(spec, t) if t.method == "freeze" else stack_blocks(spec)
     head = range(enc, enc + dec) if dec else range(enc)
