@@ -160,16 +160,18 @@ def test_each_layer_type_replays_its_own_traced_block():
     """Cohere 2's sliding and full layers save different storages. The mean layer weighs each type's block by its
     share (3 of 4 layers slide): sizes no real layer has, which pack into segments as none does (cohere2-small
     bf16-pure b2 s512 was -5.0 % against the simulation of its trace, exaone4-small bf16 -5.1 %; now 0.0 %). Each
-    type's block is kept at full size with its own forward, and the replay gives each layer its type's."""
+    traced block is kept whole with its own forward and backward, and the replay gives each layer its type's."""
     from memplan.estimator.activation_arrays import ActsKey
     from memplan.inputs.workload import Workload
 
     spec = memplan.resolve_model(COHERE2)
     w = Workload(precision="bf16", seq_len=512, micro_batch=2, optim="adamw_torch_fused")
     acts = ActsKey.of(spec, w)
-    types = traced.layer_types(acts.trace_key)
-    assert sorted(types) == sorted(set(spec.layer_types))
-    mean, own = acts.model(2), {t: traced.activations(acts.trace_key, 2, 512, t) for t in types}
+    key, types = acts.trace_key, sorted(set(spec.layer_types))
+    blocks = traced.coefficients(key).blocks
+    assert sorted(blk.layer_type for blk in blocks[1:]) == types  # block 0 (the first layer) is traced apart
+    mean = acts.model(2)
+    own = {t: traced.activations(key, 2, 512, traced.block_of(key, False, 1, t)) for t in types}
     total = lambda am: sum(x.nbytes for x in am.layer)  # noqa: E731
     share = {t: spec.layer_types.count(t) / spec.num_layers for t in types}
     assert total(mean) == pytest.approx(sum(share[t] * total(own[t]) for t in types), rel=1e-6)
@@ -181,14 +183,16 @@ def test_each_layer_type_replays_its_own_traced_block():
         markers = [SAVED - n for n, _ in own[t].sequences["layer_forward"] if n <= SAVED]
         assert markers == sorted(set(markers)) and set(range(1, len(own[t].layer))) <= set(markers) <= set(
             range(len(own[t].layer)))
+    assert own[types[0]].sequences["layer_backward"] != own[types[1]].sequences["layer_backward"]
     layers = acts.layer_models(2)  # the first block its own (test_each_stacks_first_block_replays_its_own)
-    assert [next(t for t in types if am.layer == own[t].layer) for am in layers[1:]] == list(spec.layer_types[1:])
+    assert [next(t for t in types if am == own[t]) for am in layers[1:]] == list(spec.layer_types[1:])
 
 
 def test_each_stacks_first_block_replays_its_own():
     """T5's first blocks compute the position bias the others are handed: their forward makes the relative-position
     buckets' int64 s x s transients (2 MiB at s 512) and they keep more. The step counts the more as one storage
-    with the embeddings (kind FIRST_BLOCK); the replay makes each first block's own list and forward instead of it."""
+    with the embeddings (kind FIRST_BLOCK); the replay makes each first block's own list and forward instead of it.
+    Each stack's blocks replay their own backward (the encoder's has no cross-attention)."""
     from memplan.estimator.activation_arrays import ActsKey
     from memplan.estimator.activations import TensorKind
     from memplan.inputs.workload import Workload
@@ -197,7 +201,10 @@ def test_each_stacks_first_block_replays_its_own():
     acts = ActsKey.of(spec, Workload(precision="bf16", seq_len=512, micro_batch=2, optim="adamw_torch_fused"))
     mean, layers, enc = acts.model(2), acts.layer_models(2), spec.num_layers
     assert len(layers) == enc + spec.num_decoder_layers
-    assert all(layers[b] == mean for b in range(len(layers)) if b not in (0, enc))
+    rest = [b for b in range(len(layers)) if b not in (0, enc)]
+    assert all(layers[b].layer == mean.layer and layers[b].decoder_layer == mean.decoder_layer for b in rest)
+    backward = lambda b: layers[b].sequences["layer_backward"]  # noqa: E731
+    assert backward(len(layers) - 1) == mean.sequences["layer_backward"] != backward(1)
     lumps = [t for t in mean.embed if t.kind is TensorKind.FIRST_BLOCK]
     total = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
     assert len(lumps) == 2 and all(t.nbytes > 0 for t in lumps)

@@ -80,8 +80,8 @@ class ActsKey(NamedTuple):
                                     frozen_blocks=self.frozen_blocks, kind=kind)
 
     def layer_models(self, b: int) -> tuple[ActivationModel, ...]:
-        """Each block's own model (one per kind, shared by its layers) where the layers differ (activations.layer_kinds),
-        else (); a traced model's blocks always (_traced_layers: each stack's first block differs)."""
+        """Each block's own model (one per kind, shared by its layers) where the layers differ
+        (activations.layer_kinds), else (); a traced model's blocks always (_traced_layers)."""
         if self.spec.traced_config:
             return self._traced_layers(b)
         kinds = layer_kinds(self.spec)
@@ -91,17 +91,16 @@ class ActsKey(NamedTuple):
         return tuple(models[k] for k in kinds)
 
     def _traced_layers(self, b: int) -> tuple[ActivationModel, ...]:
-        """A traced model's blocks: each layer its type's traced block (traced.layer_types) or the mean layer, and
-        each stack's first block its own (traced.Coefficients.first_blocks)."""
-        key, enc = self.trace_key, self.spec.num_layers
-        types = self.spec.layer_types if traced.layer_types(key) else ()
-        by_type = {t: traced.activations(key, b, self.seq, t) for t in dict.fromkeys(types)}
-        mean = self.model(b)
-        out = [by_type[types[i]] if types else mean for i in range(enc)] + [mean] * self.spec.num_decoder_layers
-        starts = (0, enc) if self.spec.num_decoder_layers else (0,)
-        for stack, start in enumerate(starts):
-            out[start] = traced.activations(key, b, self.seq, first_of=stack)
-        return tuple(out)
+        """A traced model's blocks, each the traced block that stands for it (traced.block_of: its stack's first,
+        its layer type's, or its stack's second), else the mean layer."""
+        key, enc, dec = self.trace_key, self.spec.num_layers, self.spec.num_decoder_layers
+        types = self.spec.layer_types if len(self.spec.layer_types) == enc and not dec else ()
+        picks = [traced.block_of(key, False, i, types[i] if types else "") for i in range(enc)]
+        picks += [traced.block_of(key, True, j, "") for j in range(dec)]
+        if None in picks:
+            return ()
+        models = {k: traced.activations(key, b, self.seq, k) for k in dict.fromkeys(picks)}
+        return tuple(models[k] for k in picks)
 
 
 class Units(NamedTuple):

@@ -51,8 +51,8 @@ class TensorKind(Enum):
     # the output layer's input, saved only for its weight's gradient; transformers never quantises the output
     # layer (quantizers/base.py get_keys_to_not_convert), so no LLM.int8 matmul keeps it either
     HEAD_INPUT = "head_input"
-    # a traced model's first block's storages beyond its second's (traced.py first_blocks), kept with the embeddings
-    # for the step's sums; the replay makes that block's own storages instead
+    # a traced model's first block's storages beyond its second's (traced.py Coefficients.blocks), kept with the
+    # embeddings for the step's sums; the replay makes that block's own storages instead
     FIRST_BLOCK = "first_block"
 
 

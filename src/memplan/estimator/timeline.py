@@ -564,7 +564,7 @@ class _Step:
         # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
         # traced: bert-base under freeze peaks there with the head's gradients only)
         if self.traced:
-            self.ordered("layer_backward", [])
+            self.ordered("layer_backward", [], am=block.am)
         else:
             self.sim.free(self.tensors(block.am.layer_backward))
         for i, n in block.groups:

@@ -39,7 +39,7 @@ from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.trace import SAVED
 
-FORMAT = 10  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 11  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
@@ -68,6 +68,19 @@ class TraceKey:
 
 
 @dataclass(frozen=True)
+class TracedBlock:
+    """One block of the traced model as it ran: its saved storages fitted one by one, and its forward's and
+    backward's storages in order (`_sequence`; the forward's markers kept where they name those storages)."""
+
+    index: int  # its place among the traced model's blocks (inputs/trace.py Layout.stacks)
+    decoder: bool  # an encoder-decoder's decoder block
+    layer_type: str  # its layer type ("": the model has none)
+    saved: tuple[tuple[float, ...], ...]
+    forward: tuple[tuple[int, tuple[float, ...]], ...]
+    backward: tuple[tuple[int, tuple[float, ...]], ...]
+
+
+@dataclass(frozen=True)
 class Coefficients:
     """Each fitted storage or moment as its six coefficients (`evaluate`)."""
 
@@ -84,16 +97,12 @@ class Coefficients:
     # per SEQUENCES entry: its storages in order (inputs/trace.py sequence), (n, coefficients) where the n-th is
     # born, (~n, ()) where it dies, (SAVED - k, ()) where the block's k-th saved storage is born
     sequences: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...] = ()
-    # where the layer types differ (Gemma 3's, Cohere 2's sliding and full layers): each type's traced block, as
-    # (type, its saved storages at full size, its forward's sequence), for the replay's blocks of that type (the
-    # mean `layer` weighs each type's storages by its share: sizes no real layer has, which pack into segments
-    # as none does)
-    kinds: tuple[tuple[str, tuple[tuple[float, ...], ...], tuple[tuple[int, tuple[float, ...]], ...]], ...] = ()
-    # each stack's first block, as (its saved storages, its forward's sequence): it computes what the others are
-    # handed (T5's position bias: the relative-position buckets' int64 s x s transients, 2 MiB each at s 512), and
-    # keeps more; the step counts the more as one storage with the embeddings (kind FIRST_BLOCK), the replay makes
-    # the block's own
-    first_blocks: tuple[tuple[tuple[tuple[float, ...], ...], tuple[tuple[int, tuple[float, ...]], ...]], ...] = ()
+    # every traced block whole, for the replay's blocks it stands for (block_of): the step's lists are the mean
+    # layer's, whose storages are each layer type's at its share (Cohere 2's, EXAONE 4's sliding and full layers:
+    # sizes no real layer has, which pack into segments as none does), and a stack's first block computes what the
+    # others are handed (T5's position bias: the relative-position buckets' int64 s x s transients, 2 MiB each at
+    # s 512) and keeps more, which the step counts as one storage with the embeddings (kind FIRST_BLOCK)
+    blocks: tuple[TracedBlock, ...] = ()
 
 
 def cache_dir() -> Path:
@@ -157,24 +166,29 @@ def fit(points: list[tuple[int, int]], values: np.ndarray) -> tuple[np.ndarray, 
 
 
 # -- the activation model at one workload ----------------------------------------------------------------------
-def layer_types(key: TraceKey) -> tuple[str, ...]:
-    """The layer types whose blocks were traced one by one (Coefficients.kinds); (): the mean layer only."""
-    return tuple(t for t, _, _ in coefficients(key).kinds)
+def block_of(key: TraceKey, decoder: bool, i: int, layer_type: str) -> int | None:
+    """The traced block that stands for layer i of a stack (decoder: an encoder-decoder's decoder; layer_type:
+    the layer's, "" without types): the stack's first for its first, else its own type's, else the stack's
+    second; None where the traced model kept none (a cache written before its blocks were)."""
+    stack = [blk for blk in coefficients(key).blocks if blk.decoder == decoder]
+    if not stack:
+        return None
+    if i == 0:
+        return stack[0].index
+    rest = stack[1:] or stack
+    return next((blk.index for blk in rest if blk.layer_type == layer_type), rest[0].index)
 
 
-def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None,
-                first_of: int | None = None) -> ActivationModel:
+def activations(key: TraceKey, b: int, s: int, block: int | None = None) -> ActivationModel:
     """The traced counterpart of activations.training_activations at micro batch b and sequence s (no TP, LoRA,
-    selective or kernels: the constraints refuse them for traced models); with `layer_type` (one of layer_types)
-    that type's block replaces the mean layer's list and its forward's sequence, with `first_of` (0: the encoder or
-    only stack, 1: the decoder) that stack's first block (Coefficients.first_blocks)."""
+    selective or kernels: the constraints refuse them for traced models); with `block` (block_of) that traced
+    block's storages replace the mean layer's list, its forward and backward the layer's sequences."""
     c = coefficients(key)
-    own = next(((rows, seq) for t, rows, seq in c.kinds if t == layer_type), None)
-    if own is not None:
-        c = replace(c, layer=own[0], sequences=(own[1],) + c.sequences[1:])
-    if first_of is not None:
-        rows, seq = c.first_blocks[first_of]
-        c = replace(c, **{"decoder_layer" if first_of else "layer": rows}, sequences=(seq,) + c.sequences[1:])
+    if block is not None:
+        own = next(blk for blk in c.blocks if blk.index == block)
+        seqs = dict(zip(SEQUENCES, c.sequences)) | {"layer_forward": own.forward, "layer_backward": own.backward}
+        c = replace(c, **{"decoder_layer" if own.decoder else "layer": own.saved},
+                    sequences=tuple(seqs[name] for name in SEQUENCES))
 
     def saved(name: str, rows, lsm=()) -> list[Tensors]:
         kinds = list(lsm) + [False] * (len(rows) - len(lsm))
@@ -194,7 +208,7 @@ def activations(key: TraceKey, b: int, s: int, layer_type: str | None = None,
     sequences = {name: [(n, max(0.0, evaluate(r, b, s)) if r else 0.0) for n, r in q]
                  for name, q in zip(SEQUENCES, c.sequences)}
     embed = saved("embeddings", c.embed)
-    firsts = len(c.first_blocks)
+    firsts = len({blk.decoder for blk in c.blocks})
     if firsts and not key.checkpointed:  # checkpointed, the first blocks' more is what they keep into backward
         embed = embed[:len(embed) - firsts] + [replace(t, kind=TensorKind.FIRST_BLOCK) for t in embed[-firsts:]]
     return ActivationModel(
@@ -235,12 +249,12 @@ def coefficients(key: TraceKey) -> Coefficients:
 def _from_doc(d: dict, path: str) -> Coefficients:
     t = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
     q = lambda seq: tuple((int(n), tuple(float(x) for x in c)) for n, c in seq)  # noqa: E731
-    kinds = tuple((str(name), t(rows), q(seq)) for name, rows, seq in d["kinds"])
-    firsts = tuple((t(rows), q(seq)) for rows, seq in d["first_blocks"])
+    blocks = tuple(TracedBlock(int(x["index"]), bool(x["decoder"]), str(x["layer_type"]), t(x["saved"]),
+                               q(x["forward"]), q(x["backward"])) for x in d["blocks"])
     return Coefficients(t(d["layer"]), t(d["decoder_layer"]), t(d["embed"]), t(d["head"]),
                         tuple(bool(x) for x in d["lsm"]), t(d["layer_input"]),
                         tuple(t(w) for w in d["windows"]), float(d["fit_error"]), float(d["seconds"]), path,
-                        tuple(q(seq) for seq in d["sequences"]), kinds, firsts)
+                        tuple(q(seq) for seq in d["sequences"]), blocks)
 
 
 def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
@@ -286,22 +300,22 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     # block per stack, its storages fitted one by one)
     sequences = tuple(q if _markers_fit(name, layer, head, kept[0], enc) else tuple((n, c) for n, c in q if n > SAVED)
                       for name, q in zip(SEQUENCES, sequences))
-    plain_rows = lambda get: rows(get, plain)  # noqa: E731
-    kinds = tuple((layout.types[k],) + _block(k, plain_rows, points, kept)
-                  for k in enc[1:]) if len(enc) > 2 and layout.types else ()
-    first_blocks = tuple(_block(st[0], plain_rows, points, kept) for st in (enc, dec) if st)
+    blocks = tuple(_block(k, k in dec, layout.types[k] if layout.types else "", lambda get: rows(get, plain), points,
+                          kept) for k in enc + dec)
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
-                        round(time.perf_counter() - t0, 2), path, sequences, kinds, first_blocks)
+                        round(time.perf_counter() - t0, 2), path, sequences, blocks)
 
 
-def _block(k: int, rows, points: list[tuple[int, int]], kept: list[dict]) -> tuple:
-    """Traced block k whole (Coefficients.kinds, first_blocks): its saved storages fitted one by one and its
-    forward's sequence, the markers kept where they name those storages."""
+def _block(k: int, decoder: bool, layer_type: str, rows, points: list[tuple[int, int]],
+           kept: list[dict]) -> TracedBlock:
+    """Traced block k whole (TracedBlock): the markers of its forward kept where they name its storages."""
     own = rows(lambda m: m["saved"].get(f"block{k}", []))
-    seq = _sequence(points, [m["block_forward"][k] for m in kept])
+    forward = _sequence(points, [m["block_forward"][k] for m in kept])
     if len(own) != len(kept[0]["saved"].get(f"block{k}", [])):
-        seq = tuple((n, c) for n, c in seq if n > SAVED)
-    return own, seq
+        forward = tuple((n, c) for n, c in forward if n > SAVED)
+    backs = [m["block_backward"].get(k) for m in kept]
+    backward = _sequence(points, backs) if all(backs) else ()
+    return TracedBlock(k, decoder, layer_type, own, forward, backward)
 
 
 def _markers_fit(name: str, layer: tuple, head: tuple, m: dict, enc: list[int]) -> bool:

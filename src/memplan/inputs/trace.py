@@ -224,12 +224,14 @@ def _read(tracker, marks: _Marks, backward_at: int) -> dict[str, Any]:
         "loss_backward": sequence(allocs, events, ours, saved_set, backward_at, marks.bwd_start[last]),
         "layer_backward": sequence(allocs, events, ours, saved_set, marks.bwd_start[last], marks.bwd_end[last]),
     }
-    # every block's forward, for a model whose layer types differ (each type's block replays its own)
-    blocks = {k: sequence(allocs, events, ours, saved_set, marks.start[k], marks.end[k], by_region.get(f"block{k}", []))
-              for k in marks.order if k in marks.end}
+    # every block's forward and backward (each traced block replays its own: estimator/traced.py Coefficients.blocks)
+    forward = {k: sequence(allocs, events, ours, saved_set, marks.start[k], marks.end[k],
+                           by_region.get(f"block{k}", [])) for k in marks.order if k in marks.end}
+    backward = {k: sequence(allocs, events, ours, saved_set, marks.bwd_start[k], marks.bwd_end[k])
+                for k in marks.order if k in marks.bwd_start and k in marks.bwd_end}
     return {"saved": {r: [allocs[i].nbytes for i in ids] for r, ids in by_region.items()},
             "lsm": [i in lsm_set for i in by_region.get("head", [])], "windows": windows,
-            "sequences": sequences, "block_forward": blocks, "order": list(marks.order)}
+            "sequences": sequences, "block_forward": forward, "block_backward": backward, "order": list(marks.order)}
 
 
 def sequence(allocs, events, ours, saved: set[int], lo: int, hi: int,
