@@ -148,5 +148,6 @@ HASH_SEED = "0"
 
 if __name__ == "__main__":
     if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, "PYTHONHASHSEED": HASH_SEED})
+        # sys.orig_argv keeps the interpreter's own flags (-X, -W)
+        os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], {**os.environ, "PYTHONHASHSEED": HASH_SEED})
     sys.exit(main())

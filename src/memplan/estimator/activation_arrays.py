@@ -92,13 +92,11 @@ class ActsKey(NamedTuple):
 
     def _traced_layers(self, b: int) -> tuple[ActivationModel, ...]:
         """A traced model's blocks, each the traced block that stands for it (traced.block_of: its stack's first,
-        its layer type's, or its stack's second), else the mean layer."""
+        its layer type's, or its stack's second)."""
         key, enc, dec = self.trace_key, self.spec.num_layers, self.spec.num_decoder_layers
         types = self.spec.layer_types if len(self.spec.layer_types) == enc and not dec else ()
         picks = [traced.block_of(key, False, i, types[i] if types else "") for i in range(enc)]
         picks += [traced.block_of(key, True, j, "") for j in range(dec)]
-        if None in picks:
-            return ()
         models = {k: traced.activations(key, b, self.seq, k) for k in dict.fromkeys(picks)}
         return tuple(models[k] for k in picks)
 

@@ -1166,14 +1166,15 @@ def _shared_expert_moments(spec: ModelSpec, T: int, p: int, r: int, streams: lis
     experts(...) + shared_experts(residuals)), for the serving replay: the routed output (cast back to the stream's
     dtype) beside the shared MLP's intermediates, then beside its product and its down projection's output; the
     block's sum follows (traced, deepseek_v3-moe-small bf16-pure serving: the small pool peaks at that sum with the
-    residual stream held four times, the routed and the shared outputs). Llama4TextMoe runs its shared expert
-    first (moe_all_experts: not these moments)."""
+    residual stream held four times, the routed and the shared outputs). Full checkpointing's first forward walks
+    them too (timeline.walk_no_grad_block). Llama4TextMoe runs its shared expert first (moe_all_experts: not these
+    moments)."""
     fam = family(spec.model_type)
     fs = spec.shared_expert_intermediate_size
     if not fs or fam.moe_all_experts or True not in mlp_kinds(spec, kind):
         return {}
     h = spec.hidden_size
-    n_f = (4 if fam.gated_up_linears == 1 else 3) if spec.mlp == "gated" else 2
+    n_f = _held_intermediates(spec, fam.gated_up_linears == 1)
     routed = Tensors("routed experts' output", r * h * T)
     return {"shared experts": streams + [routed, Tensors("shared experts' intermediates", p * fs * T, n_f)],
             "shared down": streams + [routed, Tensors("shared experts' product", p * fs * T),
@@ -1202,11 +1203,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
     # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
     # gate's output after the activation
-    fused_up = moe or fam.gated_up_linears == 1
-    # a Python-composed GELU (gelu_new: 0.5 * x * (1 + tanh(...))) holds the up projection and three of its
-    # pieces at once (traced: GPT-2); a native activation its output beside its input
-    composed = len(ACTIVATION_SAVES.get(spec.activation, ("act",))) > 1
-    n_f = (4 if fused_up else 3) if spec.mlp == "gated" else (4 if composed else 2)
+    n_f = _held_intermediates(spec, moe or fam.gated_up_linears == 1)
     # a parallel layer (GPT-NeoX, Falcon) has no residual after attention: it holds the attention's output
     # (FalconDecoderLayer: mlp_output += attention_output after the MLP) in the matmul dtype instead (traced)
     parallel = fam.parallel_residual
@@ -1238,6 +1235,15 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if biased_experts(spec):
         n_f += 2 if spec.mlp == "gated" else 1
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
+
+
+def _held_intermediates(spec: ModelSpec, fused_up: bool) -> int:
+    """An MLP's intermediates alive at once under no_grad: gated, act(gate), up and their product (and with a fused
+    gate_up projection its whole output); plain, the up projection and its activation, where a Python-composed
+    GELU (gelu_new: 0.5 * x * (1 + tanh(...))) holds the up projection and three of its pieces (traced: GPT-2)."""
+    if spec.mlp == "gated":
+        return 4 if fused_up else 3
+    return 4 if len(ACTIVATION_SAVES.get(spec.activation, ("act",))) > 1 else 2
 
 
 def _dequant_moments(spec: ModelSpec, T: int, p: int, dequant: int, mlp: list[Tensors]) -> list[list[Tensors]]:

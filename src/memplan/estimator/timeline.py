@@ -421,6 +421,8 @@ class _Step:
         the others' at the block's start."""
         self.casts(block.groups, kept=False)
         layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
+        # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
+        marked = layer_list or (self.traced and block.saved is block.am.decoder_layer)
         # not in full checkpointing's first forward: its list stands for a no-grad run that frees as it goes
         split = layer_list and not full
         # a grouped matmul's experts are cast as it runs; the expert loop's slices (experts_start 0) with the MLP
@@ -450,7 +452,7 @@ class _Step:
             cached += casts
             self.sim.free(freed)
             return self.tensors(self.am.layer_input)
-        saved = _flat(self.ordered("layer_forward", block.saved, layer_list, block.am, before))
+        saved = _flat(self.ordered("layer_forward", block.saved, marked, block.am, before))
         return casts + saved
 
     @property

@@ -12,9 +12,9 @@ fitted to
 two spare ones measure the fit (`Coefficients.fit_error`). A saved storage is matched across the traces by its
 place in its region; a window's moments by their op sequence (difflib), since a shape that makes a copy a
 no-op at b = 1 adds an event at b = 2. At a workload the window's transient is the largest of its fitted
-moments, so a moment that overtakes another at long sequences is found. The windows' storages in order (and a
-block's forward's) are kept as sequences for the replay of reserved memory: each storage's bytes fitted the same
-way, the events every trace has (`_sequence`).
+moments, so a moment that overtakes another at long sequences is found. The windows' storages in order, and each
+traced block's forward's and backward's (`TracedBlock`), are kept as sequences for the replay of reserved memory:
+each storage's bytes fitted the same way, the events every trace has (`_sequence`).
 
 The coefficients are cached on disk (`cache_dir()`), one JSON file per key, named by a hash of the key (the
 config's content and the versions of transformers, torch and this format), and in memory by the key.
@@ -75,7 +75,7 @@ class TracedBlock:
     index: int  # its place among the traced model's blocks (inputs/trace.py Layout.stacks)
     decoder: bool  # an encoder-decoder's decoder block
     layer_type: str  # its layer type ("": the model has none)
-    saved: tuple[tuple[float, ...], ...]
+    saved: tuple[tuple[float, ...], ...]  # one storage each; their sum as one where the traces' counts differ
     forward: tuple[tuple[int, tuple[float, ...]], ...]
     backward: tuple[tuple[int, tuple[float, ...]], ...]
 
@@ -166,13 +166,11 @@ def fit(points: list[tuple[int, int]], values: np.ndarray) -> tuple[np.ndarray, 
 
 
 # -- the activation model at one workload ----------------------------------------------------------------------
-def block_of(key: TraceKey, decoder: bool, i: int, layer_type: str) -> int | None:
+def block_of(key: TraceKey, decoder: bool, i: int, layer_type: str) -> int:
     """The traced block that stands for layer i of a stack (decoder: an encoder-decoder's decoder; layer_type:
     the layer's, "" without types): the stack's first for its first, else its own type's, else the stack's
-    second; None where the traced model kept none (a cache written before its blocks were)."""
+    second (inputs/trace.py traces at least two blocks a stack)."""
     stack = [blk for blk in coefficients(key).blocks if blk.decoder == decoder]
-    if not stack:
-        return None
     if i == 0:
         return stack[0].index
     rest = stack[1:] or stack
@@ -186,7 +184,9 @@ def activations(key: TraceKey, b: int, s: int, block: int | None = None) -> Acti
     c = coefficients(key)
     if block is not None:
         own = next(blk for blk in c.blocks if blk.index == block)
-        seqs = dict(zip(SEQUENCES, c.sequences)) | {"layer_forward": own.forward, "layer_backward": own.backward}
+        # a block whose backward a trace missed keeps the last block's (not met: every block's input needs a gradient)
+        seqs = dict(zip(SEQUENCES, c.sequences))
+        seqs |= {"layer_forward": own.forward, "layer_backward": own.backward or seqs["layer_backward"]}
         c = replace(c, **{"decoder_layer" if own.decoder else "layer": own.saved},
                     sequences=tuple(seqs[name] for name in SEQUENCES))
 

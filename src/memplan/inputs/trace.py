@@ -8,7 +8,7 @@ layer's own extra is kept apart: T5's first block computes the position bias eve
 verify's training step on it once as FakeTensors under CUDA semantics (verify/run.py train_steps,
 verify/cudasim.py: autocast's op lists, native dropout, the SDPA kernel an sm80 GPU picks), every storage
 tracked (verify/tracer.py). Hooks on the blocks (transformers' own `_no_split_modules` classes) mark where each
-block's forward, and the last block's backward, begin and end. From the timeline it reads:
+block's forward and backward begin and end. From the timeline it reads:
 - saved: every storage born in the forward and still alive when backward starts, by where it was born (the
   embeddings, block k, the head); a block's input belongs to the block that reads it, the last block's output
   to the head (the analytic model's convention: a norm's saved input is its layer's);
@@ -16,9 +16,9 @@ block's forward, and the last block's backward, begin and end. From the timeline
 - the transient bytes above the saved ones at every allocation of three windows: the loss (after the last
   block, in the forward), the start of backward (until the last block's backward starts) and the last block's
   backward, each as a series over the window's events;
-- for the estimator's replay of reserved memory (estimator/timeline.py), the storages of those windows and of the
-  last block's forward in order: each birth, each death inside the window, and where the block's (or the head's)
-  saved storages are born (`sequence`).
+- for the estimator's replay of reserved memory (estimator/timeline.py), the storages of those windows and of
+  every block's forward and backward in order: each birth, each death inside the window, and where the block's
+  (or the head's) saved storages are born (`sequence`).
 Weights, autocast's weight casts, gradients, the optimizer's tensors and the batch are left out: the step model
 counts them itself.
 """
@@ -73,7 +73,7 @@ def find_blocks(model) -> list:
 
 
 class _Marks:
-    """Positions in the tracker's event list where a block's forward or the last block's backward begin and end."""
+    """Positions in the tracker's event list where each block's forward and backward begin and end."""
 
     def __init__(self, tracker, blocks: list) -> None:
         self.tracker = tracker
@@ -143,7 +143,8 @@ def measure(cfg: Any, head: str, precision: str, attn: str, b: int, s: int, use_
     """One training step of the reduced model `cfg` at micro batch b and sequence s, as verify runs it, a decoder
     with or without its KV cache, with full gradient checkpointing or without (see the module's docstring):
     {"saved": {region: [bytes, ...]}, "lsm": [bool per head storage], "windows": {name: [(op, bytes), ...]},
-    "order": [block index, in the order the blocks ran]}."""
+    "sequences": {window or "layer_forward": [(op, n, bytes), ...]}, "block_forward" / "block_backward": {block
+    index: its sequence}, "order": [block index, in the order the blocks ran]}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan.inputs.workload import Workload
