@@ -1075,12 +1075,23 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
     the probabilities it returns, which the layer holds to its end (TensorKind.PROBS; traced, olmo2-small bf16 eager
     b2 s512: the bf16 probabilities freed after the MLP; the replay was -10.7 % off the real H200 run, now -0.6 %).
     Traced: Llama-3.2-1B bf16 eager b1 s1024 makes each layer's fp32 masked scores and softmax output in the
-    forward (128 MiB each); without them the replay was +6.3 % over the simulation of the trace."""
+    forward (128 MiB each); without them the replay was +6.3 % over the simulation of the trace.
+    Where the query is as wide as the softmax output (RoPE's fp32 query under autocast: query_width), the
+    returned probabilities are the softmax output itself (eager_attention_forward's `.to(query.dtype)` is a no-op),
+    and the PV matmul's half cast of them (the PROBS entry) dies with the matmul (transformers 5.24
+    modeling_llama.py; traced, Llama-3.2-1B bf16 eager b1 s1024: _softmax (128 MiB) freed after the MLP,
+    _to_copy (64 MiB) freed after the bmm)."""
     seq = _eager_core_sequence(spec, whole, b, s, prec, attn, tp).get("layer_forward")
     core = [k for k, t in enumerate(whole) if is_core(t)]
     after = core[-1] + 1 if core else len(whole)
     if not seq or after >= len(whole) or whole[after] not in layer:
         return {}
+    p, sm = (HALF if prec.autocast else prec.act), _softmax_bytes(spec, prec)
+    # transformers' own core (inference_eager_core keeps the softmax output there too), with no dropout after it
+    softmax_kept = (_shared_eager_core(spec) and spec.attention_dropout == 0 and sm != p
+                    and query_width(spec, p, prec.residual) == sm)
+    # the core entry _eager_core_sequence makes the softmax output from (behind GQA's expanded k and v)
+    softmax_at = core[1 if spec.num_heads != spec.num_kv_heads else 0] if softmax_kept else None
     out: list[tuple[int, float]] = []
     fresh = 1 + max(n for n, _ in seq)  # ids past the sequence's own
     returned: list[int] = []  # the probabilities the core returns: the layer holds them to its end
@@ -1090,7 +1101,8 @@ def _selective_core_sequence(spec: ModelSpec, whole: list[Tensors], layer: list[
         elif is_core(whole[SAVED - n]):  # a tensor the core would save: here one more transient
             t = whole[SAVED - n]
             out += [(fresh + i, t.nbytes / tp) for i in range(t.count)]
-            returned += [fresh + i for i in range(t.count)] if t.kind is TensorKind.PROBS else []
+            if (SAVED - n == softmax_at) if softmax_kept else t.kind is TensorKind.PROBS:
+                returned += [fresh + i for i in range(t.count)]
             fresh += t.count
     born = {n for n, _ in out if n >= 0}
     out += [(~n, 0.0) for n in sorted(born - {~n for n, _ in out if n < 0} - set(returned))]
@@ -1314,6 +1326,13 @@ def query_width(spec: ModelSpec, p: int, r: int) -> int:
     return r if rotary_in_stream_dtype(spec) else p
 
 
+def _shared_eager_core(spec: ModelSpec) -> bool:
+    """A decoder whose eager attention is transformers' shared eager_attention_forward: not multi-head latent
+    attention's order, nor a family's own core (Falcon's score tensors, GPT-OSS's sinks)."""
+    fam = family(spec.model_type)
+    return spec.arch == "decoder" and not spec.is_mla and not fam.eager_score_tensors and not fam.attention_sinks
+
+
 def inference_eager_core(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str,
                          context: int) -> list[tuple[int, int]]:
     """A decoder's eager attention core under no_grad, in order, for the serving replay (transformers 5.24
@@ -1330,9 +1349,9 @@ def inference_eager_core(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
       rebound (so those die last); autocast casts fp32 probabilities to half for the PV matmul.
     Empty where the order is another: an encoder, multi-head latent attention, a family's own core (Falcon's score
     tensors, GPT-OSS's sinks); the serving replay then walks the core's moments."""
-    fam = family(spec.model_type)
-    if attn != "eager" or spec.arch != "decoder" or spec.is_mla or fam.eager_score_tensors or fam.attention_sinks:
+    if attn != "eager" or not _shared_eager_core(spec):
         return []
+    fam = family(spec.model_type)
     n = b * spec.num_heads * s * (context or s)
     softmax = FP32 if (fam.softmax_fp32 or r == FP32) else r
     query = query_width(spec, p, r)
