@@ -39,13 +39,13 @@ from memplan.estimator.rules import Precision
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.trace import SAVED
 
-FORMAT = 11  # bump when what is measured or fitted changes: old cache files are then never read
+FORMAT = 12  # bump when what is measured or fitted changes: old cache files are then never read
 B_POINTS = (1, 2)
 SEQ_POINTS = 4
 S_UNIT = 1024.0  # s in units of 1024 tokens keeps the fit's columns of one scale
 WINDOWS = ("loss_forward", "loss_backward", "layer_backward")
-# the replay's ordered storages (estimator/timeline.py): a block's forward, then the three windows
-SEQUENCES = ("layer_forward",) + WINDOWS
+# the loss's ordered storages for the replay (estimator/timeline.py); a block's are its TracedBlock's
+LOSS_SEQUENCES = ("loss_forward", "loss_backward")
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ class Coefficients:
     fit_error: float  # the largest misfit at the spare traces, relative to the saved bytes there
     seconds: float  # the traces' wall time
     path: str  # the cache file
-    # per SEQUENCES entry: its storages in order (inputs/trace.py sequence), (n, coefficients) where the n-th is
-    # born, (~n, ()) where it dies, (SAVED - k, ()) where the block's k-th saved storage is born
+    # per LOSS_SEQUENCES entry: its storages in order (inputs/trace.py sequence), (n, coefficients) where the n-th
+    # is born, (~n, ()) where it dies, (SAVED - k, ()) where the head's k-th saved storage is born
     sequences: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...] = ()
     # every traced block whole, for the replay's blocks it stands for (block_of): the step's lists are the mean
     # layer's, whose storages are each layer type's at its share (Cohere 2's, EXAONE 4's sliding and full layers:
@@ -182,13 +182,13 @@ def activations(key: TraceKey, b: int, s: int, block: int | None = None) -> Acti
     selective or kernels: the constraints refuse them for traced models); with `block` (block_of) that traced
     block's storages replace the mean layer's list, its forward and backward the layer's sequences."""
     c = coefficients(key)
+    last = c.blocks[-1]  # the model's last block: the mean layer's sequences (where its list is the mean's, markers)
+    forward, backward = (last.forward if c.layer == last.saved else _unmarked(last.forward)), last.backward
     if block is not None:
         own = next(blk for blk in c.blocks if blk.index == block)
         # a block whose backward a trace missed keeps the last block's (not met: every block's input needs a gradient)
-        seqs = dict(zip(SEQUENCES, c.sequences))
-        seqs |= {"layer_forward": own.forward, "layer_backward": own.backward or seqs["layer_backward"]}
-        c = replace(c, **{"decoder_layer" if own.decoder else "layer": own.saved},
-                    sequences=tuple(seqs[name] for name in SEQUENCES))
+        forward, backward = own.forward, own.backward or backward
+        c = replace(c, **{"decoder_layer" if own.decoder else "layer": own.saved})
 
     def saved(name: str, rows, lsm=()) -> list[Tensors]:
         kinds = list(lsm) + [False] * (len(rows) - len(lsm))
@@ -205,8 +205,8 @@ def activations(key: TraceKey, b: int, s: int, block: int | None = None) -> Acti
         # traced with the recompute in it, which the step adds itself: one block's saved tensors (step.py)
         recompute = max(sum(t.nbytes for t in layer), sum(t.nbytes for t in decoder))
         layer_backward = [replace(layer_backward[0], nbytes=max(0.0, layer_backward[0].nbytes - recompute))]
-    sequences = {name: [(n, max(0.0, evaluate(r, b, s)) if r else 0.0) for n, r in q]
-                 for name, q in zip(SEQUENCES, c.sequences)}
+    named = dict(zip(LOSS_SEQUENCES, c.sequences)) | {"layer_forward": forward, "layer_backward": backward}
+    sequences = {name: [(n, max(0.0, evaluate(r, b, s)) if r else 0.0) for n, r in q] for name, q in named.items()}
     embed = saved("embeddings", c.embed)
     firsts = len({blk.decoder for blk in c.blocks})
     if firsts and not key.checkpointed:  # checkpointed, the first blocks' more is what they keep into backward
@@ -295,11 +295,11 @@ def _trace_and_fit(key: TraceKey, path: str) -> Coefficients:
     firsts = [rows(lambda m, st=st: [_total(m, st[0]) - _total(m, st[1])]) for st in (enc, dec) if st]
     embed = rows(lambda m: m["saved"].get("embed", [])) + tuple(r[0] for r in firsts)
     windows = tuple(_moments(points, [m["windows"][name] for m in kept]) for name in WINDOWS)
-    sequences = tuple(_sequence(points, [m["sequences"][name] for m in kept]) for name in SEQUENCES)
-    # a saved storage's marker names its place in its region's list: kept where that list is the step's (one traced
-    # block per stack, its storages fitted one by one)
-    sequences = tuple(q if _markers_fit(name, layer, head, kept[0], enc) else tuple((n, c) for n, c in q if n > SAVED)
-                      for name, q in zip(SEQUENCES, sequences))
+    loss_forward, loss_backward = (_sequence(points, [m["sequences"][name] for m in kept]) for name in LOSS_SEQUENCES)
+    # the loss's markers name the head's storages where those were fitted one by one
+    if len(head) != len(kept[0]["saved"].get("head", [])):
+        loss_forward = _unmarked(loss_forward)
+    sequences = (loss_forward, loss_backward)
     blocks = tuple(_block(k, k in dec, layout.types[k] if layout.types else "", lambda get: rows(get, plain), points,
                           kept) for k in enc + dec)
     return Coefficients(layer, decoder, embed, head, lsm, layer_input, windows, max(errors, default=0.0),
@@ -312,21 +312,15 @@ def _block(k: int, decoder: bool, layer_type: str, rows, points: list[tuple[int,
     own = rows(lambda m: m["saved"].get(f"block{k}", []))
     forward = _sequence(points, [m["block_forward"][k] for m in kept])
     if len(own) != len(kept[0]["saved"].get(f"block{k}", [])):
-        forward = tuple((n, c) for n, c in forward if n > SAVED)
+        forward = _unmarked(forward)
     backs = [m["block_backward"].get(k) for m in kept]
     backward = _sequence(points, backs) if all(backs) else ()
     return TracedBlock(k, decoder, layer_type, own, forward, backward)
 
 
-def _markers_fit(name: str, layer: tuple, head: tuple, m: dict, enc: list[int]) -> bool:
-    """Whether sequence `name`'s markers name the step's list: the head's, or one traced block's whose storages were
-    fitted one by one (the last block's markers; one traced block per stack)."""
-    last_block = m["order"][-1]
-    if name == "loss_forward":
-        return len(head) == len(m["saved"].get("head", []))
-    if name == "layer_forward":
-        return enc[1:] == [last_block] and len(layer) == len(m["saved"].get(f"block{last_block}", []))
-    return True
+def _unmarked(seq: tuple) -> tuple:
+    """A sequence without its markers, where they would not name the list it is played with."""
+    return tuple((n, c) for n, c in seq if n > SAVED)
 
 
 def _total(m: dict, k: int) -> int:

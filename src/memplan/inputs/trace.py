@@ -143,7 +143,7 @@ def measure(cfg: Any, head: str, precision: str, attn: str, b: int, s: int, use_
     """One training step of the reduced model `cfg` at micro batch b and sequence s, as verify runs it, a decoder
     with or without its KV cache, with full gradient checkpointing or without (see the module's docstring):
     {"saved": {region: [bytes, ...]}, "lsm": [bool per head storage], "windows": {name: [(op, bytes), ...]},
-    "sequences": {window or "layer_forward": [(op, n, bytes), ...]}, "block_forward" / "block_backward": {block
+    "sequences": {loss window: [(op, n, bytes), ...]}, "block_forward" / "block_backward": {block
     index: its sequence}, "order": [block index, in the order the blocks ran]}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -217,13 +217,10 @@ def _read(tracker, marks: _Marks, backward_at: int) -> dict[str, Any]:
         "loss_backward": series(backward_at, marks.bwd_start[last], False, saved_total),
         "layer_backward": series(marks.bwd_start[last], marks.bwd_end[last], False, saved_total - lsm_total),
     }
-    own = by_region.get(f"block{last}", [])
     sequences = {
-        "layer_forward": sequence(allocs, events, ours, saved_set, marks.start[last], marks.end[last], own),
         "loss_forward": sequence(allocs, events, ours, saved_set, marks.end[last], backward_at,
                                  by_region.get("head", [])),
         "loss_backward": sequence(allocs, events, ours, saved_set, backward_at, marks.bwd_start[last]),
-        "layer_backward": sequence(allocs, events, ours, saved_set, marks.bwd_start[last], marks.bwd_end[last]),
     }
     # every block's forward and backward (each traced block replays its own: estimator/traced.py Coefficients.blocks)
     forward = {k: sequence(allocs, events, ours, saved_set, marks.start[k], marks.end[k],
