@@ -93,9 +93,9 @@ class ActivationModel:
     frozen_decoder_layer: list[Tensors] = field(default_factory=list)
     # storages in the order the step makes them, for the replay (timeline.py): (n, bytes) the n-th born, (~n, 0) its
     # death, (SAVED - k, 0) the list's k-th saved tensor born. A traced model's: its block's forward and backward
-    # (traced.TracedBlock) and the loss's two windows (traced.LOSS_SEQUENCES); an analytic one's: eager attention's core in a block's forward
-    # (_eager_core_sequence; under selective recomputation its no-grad run, _selective_core_sequence, and its
-    # recompute in backward, "layer_core"), its other lists replayed in their order
+    # (traced.TracedBlock) and the loss's two windows (traced.LOSS_SEQUENCES); an analytic one's: eager attention's
+    # core in a block's forward (_eager_core_sequence; under selective recomputation its no-grad run,
+    # _selective_core_sequence, and its recompute in backward, "layer_core"), its other lists replayed in their order
     sequences: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     # the index in `layer` the MLP's weights' autocast casts are made before (LayerOrder.mlp; 0: with the block's
     # other casts, at its start), and the routed experts' (LayerOrder.experts)

@@ -132,9 +132,6 @@ class OptimRule:
     foreach_temp: full-size temporaries during step() (torch's _multi_tensor_adam: exp_avg_sq.sqrt()
       for the whole group at once), in units of the parameter bytes.
     per_tensor_temp: fp32 temporaries of one tensor during step() (per-parameter loops), the largest tensor's.
-    per_param_states: the states are made in the per-parameter loop, each beside its parameter's update
-      (bitsandbytes 0.50 optim/optimizer.py Optimizer8bit.step: init_state per parameter; transformers' Adafactor),
-      where torch's AdamW makes every state of a group first (_init_group), then updates (the replay's order).
     half_param_temp: more fp32 copies a half (fp16 / bf16) parameter adds to them: its gradient's and its own.
     """
 
@@ -145,7 +142,6 @@ class OptimRule:
     foreach_temp: float = 0.0
     per_tensor_temp: float = 0.0
     half_param_temp: float = 0.0
-    per_param_states: bool = False
     paged: bool = False
     momentum_arg: bool = False  # one extra state when optim args set momentum > 0 (SGD, RMSprop)
     source: str = ""
@@ -158,33 +154,31 @@ class OptimRule:
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer8bit(min_8bit_size=4096)
 BNB_BLOCK = 256  # bitsandbytes blockwise 8-bit optimizer states: one fp32 absmax per 256 values
 
-# bitsandbytes 0.50 optim/optimizer.py Optimizer8bit.step: each parameter's states made as the loop reaches it
-_BNB = dict(per_param_states=True)
 OPTIMIZERS: dict[str, OptimRule] = {
     o.name: o
     for o in (
         OptimRule("adamw_torch", 2, foreach_temp=1.0,
                   source="torch.optim.AdamW, foreach=True on CUDA: exp_avg + exp_avg_sq; _foreach_sqrt temp"),
         OptimRule("adamw_torch_fused", 2, source="torch.optim.AdamW(fused=True): one kernel, no temporaries"),
-        OptimRule("adamw_bnb_8bit", 2, quantized=True, **_BNB, source="bitsandbytes AdamW8bit, blockwise"),
-        OptimRule("adamw_8bit", 2, quantized=True, **_BNB, source="alias of adamw_bnb_8bit in transformers"),
-        OptimRule("paged_adamw_8bit", 2, quantized=True, paged=True, **_BNB, source="bitsandbytes PagedAdamW8bit"),
-        OptimRule("paged_adamw_32bit", 2, paged=True, **_BNB, source="bitsandbytes PagedAdamW32bit"),
+        OptimRule("adamw_bnb_8bit", 2, quantized=True, source="bitsandbytes AdamW8bit, blockwise"),
+        OptimRule("adamw_8bit", 2, quantized=True, source="alias of adamw_bnb_8bit in transformers"),
+        OptimRule("paged_adamw_8bit", 2, quantized=True, paged=True, source="bitsandbytes PagedAdamW8bit"),
+        OptimRule("paged_adamw_32bit", 2, paged=True, source="bitsandbytes PagedAdamW32bit"),
         # transformers 5.24 optimization.py Adafactor.step, per parameter: (grad**2) + eps (the square and the
         # sum live together), then _approx_sq_grad's row x col product beside the old update: two full-size fp32
         # tensors at once; a half parameter also has grad.float() and p.float() alive through its step. Traced
         # (gpt2 b1 s128, the 50257 x 768 embedding): the step's temporaries peak at 2.0 x its fp32 size with fp32
         # parameters, 4.0 x in bf16-pure (the rule was 3.0 for both: +11.8 % and -13.9 % on peak allocated)
-        OptimRule("adafactor", 1, factored=True, per_param_states=True, per_tensor_temp=2.0, half_param_temp=2.0,
+        OptimRule("adafactor", 1, factored=True, per_tensor_temp=2.0, half_param_temp=2.0,
                   source="transformers.optimization.Adafactor, beta1=None: exp_avg_sq_row + _col; "
                          "update = grad**2 + eps and the row x col approximation are full-size"),
         OptimRule("sgd", 0, momentum_arg=True, source="torch.optim.SGD: momentum_buffer only if momentum > 0"),
         OptimRule("adagrad", 1, source="torch.optim.Adagrad: state_sum"),
         OptimRule("rmsprop", 1, momentum_arg=True, source="torch.optim.RMSprop: square_avg (+ momentum_buffer)"),
-        OptimRule("lion_32bit", 1, **_BNB, source="bitsandbytes Lion: exp_avg only"),
-        OptimRule("lion_8bit", 1, quantized=True, **_BNB, source="bitsandbytes Lion8bit"),
-        OptimRule("paged_lion_32bit", 1, paged=True, **_BNB, source="bitsandbytes PagedLion"),
-        OptimRule("paged_lion_8bit", 1, quantized=True, paged=True, **_BNB, source="bitsandbytes PagedLion8bit"),
+        OptimRule("lion_32bit", 1, source="bitsandbytes Lion: exp_avg only"),
+        OptimRule("lion_8bit", 1, quantized=True, source="bitsandbytes Lion8bit"),
+        OptimRule("paged_lion_32bit", 1, paged=True, source="bitsandbytes PagedLion"),
+        OptimRule("paged_lion_8bit", 1, quantized=True, paged=True, source="bitsandbytes PagedLion8bit"),
     )
 }
 # bitsandbytes' paged optimizers put a parameter's states in CUDA managed memory (functional.get_paged:

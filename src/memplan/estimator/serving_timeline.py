@@ -33,7 +33,7 @@ from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_wind
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
-from memplan.estimator.timeline import Events, block_groups, module_order, walk_no_grad_block
+from memplan.estimator.timeline import Events, block_groups, module_order, per_mlp_kind, walk_no_grad_block
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.workload import Workload
 
@@ -123,21 +123,20 @@ class _Serve:
         """One forward of `tokens` a sequence (context: the cache length a decode step attends to; 0: prefill)."""
         k = self.k
         seqs = k.sequences
-        # each layer kind's moments where the layers' MLPs differ (a MoE model's dense layers: activations.layer_kinds;
-        # the moments read no other part of a kind)
-        kinds = (layer_kinds(self.spec) if self.spec.is_moe else ()) or (None,) * len(self.blocks)
-        sets = {kind: inference_working_set(self.spec, seqs, tokens, self.p, self.r, k.attn,
-                                            full_logits=not self.generate, context=context,
-                                            dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens), kind=kind)
-                for kind in dict.fromkeys(kinds)}
-        ws = sets[kinds[0]]
+        # each layer kind's moments where the layers' MLPs differ (a MoE model's dense layers: activations.layer_kinds)
+        sets = per_mlp_kind(self.spec, layer_kinds(self.spec) or (None,) * len(self.blocks),
+                            lambda kind: inference_working_set(
+                                self.spec, seqs, tokens, self.p, self.r, k.attn, full_logits=not self.generate,
+                                context=context, dequant=dequantised_copy(self.spec, self.fmt, seqs * tokens),
+                                kind=kind))
+        ws = sets[0]
         stream = self.r * self.spec.hidden_size * seqs * tokens
         embed = self.sim.alloc(stream)
         around = self.tensors(ws["around"])
         held = embed
         core = inference_eager_core(self.spec, seqs, tokens, self.p, self.r, k.attn, context)
         for b, groups in enumerate(self.blocks):
-            out = self.block(b, groups, sets[kinds[b]] if b < len(kinds) else ws, core, stream, context)
+            out = self.block(b, groups, sets[b], core, stream, context)
             if held != embed:
                 self.sim.free([held])
             held = out
@@ -250,5 +249,3 @@ class _Serve:
 def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
     """Each block's parameter groups and how many tensors of each it has (encoder blocks, then decoder blocks)."""
     return [[(spec.params[i], n) for i, n in blk] for blk in block_groups(spec, spec.params)]
-
-

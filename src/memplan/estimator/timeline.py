@@ -17,7 +17,8 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 from memplan.estimator.activation_arrays import ActsKey
 from memplan.estimator.activations import (ActivationModel, LayerKind, Tensors, TensorKind, expert_loop,
-                                           inference_eager_core, inference_working_set, is_core, layer_kinds)
+                                           inference_eager_core, inference_working_set, is_core, layer_kinds,
+                                           mlp_kinds)
 from memplan.estimator.allocator import simulate
 from memplan.estimator.finetune import (Tuning, cast_kept, element_bytes, head_stack, in_decoder,
                                        records_frozen_blocks, stack_blocks, stored_tensors, tied_embedding,
@@ -204,6 +205,16 @@ class _Block(NamedTuple):
     am: ActivationModel  # its layer's own lists (ActsKey.layer_models), else the mean layer's
 
 
+def per_mlp_kind(spec: ModelSpec, kinds: Sequence[LayerKind | None], make: Callable) -> list:
+    """make(kind) for each of `kinds`, made once per MLP kind: a layer's no-grad moments read nothing else of its
+    kind (activations.inference_working_set: mlp_kinds), so Llama 4's local and global MoE layers share theirs."""
+    made: dict[tuple[bool, ...], object] = {}
+    for kind in kinds:
+        if (mlps := mlp_kinds(spec, kind)) not in made:
+            made[mlps] = make(kind)
+    return [made[mlp_kinds(spec, kind)] for kind in kinds]
+
+
 def block_groups(spec: ModelSpec, groups: Sequence[ParamGroup],
                  narrowed: Callable[[ParamGroup, range], range] | None = None) -> list[list[tuple[int, int]]]:
     """Each block's parameter groups, as (index in `groups`, tensors of it in the block), encoder (or decoder-only)
@@ -290,13 +301,14 @@ class _Step:
         self.rule = OPTIMIZERS[k.optim]
         self.groups = tuned_params(k.spec, k.tuning)
         self.am: ActivationModel = k.acts.model(k.micro_batch)
-        # MoE models with dense layers, Gemma 3's and Llama 4's local and global layers: each its own tensors (the
-        # mean layer's averaged sizes packed into fewer segments: Llama 4 small bf16-pure SDPA -9.4 % under the
-        # allocator simulation of its trace, benchmarks/accuracy/results/accuracy.md)
+        # MoE models with dense layers, Gemma 3's and Llama 4's local and global layers, every traced block: each its
+        # own tensors (the mean layer's averaged sizes packed into fewer segments: Llama 4 small bf16-pure SDPA -9.4 %
+        # under the allocator simulation of its trace, benchmarks/accuracy/results/accuracy.md)
         layers = k.acts.layer_models(k.micro_batch)
         self.blocks = block_table(k.spec, k.tuning, self.groups, self.am, layers)
-        # a traced model's first blocks make their own storages (their own models), not the step's stand-in for them
-        self.embed = [t for t in self.am.embed if not (layers and t.kind is TensorKind.FIRST_BLOCK)]
+        # a traced model's first blocks make their own storages (every traced block has its model: layer_models), not
+        # the step's stand-in for them
+        self.embed = [t for t in self.am.embed if t.kind is not TensorKind.FIRST_BLOCK]
         # the embedding matrix a tied LM head uses (None: no tied head)
         self.tied = next((i for i, g in enumerate(self.groups) if tied_embedding(k.spec, g)), None) \
             if tied_head(k.spec) else None
@@ -312,10 +324,8 @@ class _Step:
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
         self.parts = 0
         # full checkpointing's first forward of each block, by its layer kind (activations.layer_kinds)
-        kinds = layer_kinds(k.spec) if layers else ()
-        walks = {kind: self.no_grad_walk(kind) for kind in dict.fromkeys(kinds or (None,))} \
-            if k.grad_ckpt == "full" else {}
-        self.walks = [walks.get(kinds[n] if n < len(kinds) else None) for n in range(len(self.blocks))]
+        kinds = layer_kinds(k.spec) or (None,) * len(self.blocks)
+        self.walks = per_mlp_kind(k.spec, kinds, self.no_grad_walk) if k.grad_ckpt == "full" else [None] * len(kinds)
 
     def no_grad_walk(self, kind: LayerKind | None) -> tuple | None:
         """Full checkpointing's first forward of a decoder block saves nothing, so its tensors live and die as a
@@ -421,39 +431,35 @@ class _Step:
         the others' at the block's start."""
         self.casts(block.groups, kept=False)
         layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
-        # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
-        marked = layer_list or (self.traced and block.saved is block.am.decoder_layer)
-        # not in full checkpointing's first forward: its list stands for a no-grad run that frees as it goes
-        split = layer_list and not full
-        # a grouped matmul's experts are cast as it runs; the expert loop's slices (experts_start 0) with the MLP
-        at = {c: block.am.mlp_start for c in MLP_SIDE} | {"experts": block.am.experts_start or block.am.mlp_start}
-        later: dict[int, list[tuple[int, int]]] = {}  # entry -> the groups cast just before it
-        for i, n in block.groups:
-            k = at.get(self.groups[i].category, 0) if split else 0
-            if k:
-                later.setdefault(k, []).append((i, n))
-        delayed = {g for gs in later.values() for g in gs}
-        casts = self.casts([g for g in block.groups if g not in delayed])
-        before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
         if not block.recorded:
-            for call in before.values():
-                call()
+            casts = self.casts(block.groups)
             self.sim.free(self.tensors(block.am.layer) + casts)  # nothing requires a gradient yet
             return []
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
+            casts = self.casts(block.groups)
             if walk is not None:  # a decoder block's no-grad forward, as a prefill runs it (no_grad_walk)
                 local = walk_no_grad_block(self.sim, *walk)
                 cached += casts
                 out = self.tensors(self.am.layer_input)
                 self.sim.free([key for _, key in local])
                 return out
-            freed = _flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list, block.am,
-                                       before))
             cached += casts
-            self.sim.free(freed)
+            self.sim.free(_flat(self.ordered("layer_forward", [] if self.traced else block.saved, layer_list,
+                                             block.am)))
             return self.tensors(self.am.layer_input)
-        saved = _flat(self.ordered("layer_forward", block.saved, marked, block.am, before))
-        return casts + saved
+        # a grouped matmul's experts are cast as it runs; the expert loop's slices (experts_start 0) with the MLP;
+        # where the block's list is not the layer's (a frozen block's), all at the block's start
+        at = {c: block.am.mlp_start for c in MLP_SIDE} | {"experts": block.am.experts_start or block.am.mlp_start}
+        later: dict[int, list[tuple[int, int]]] = {}  # entry -> the groups cast just before it
+        for i, n in block.groups:
+            if k := (at.get(self.groups[i].category, 0) if layer_list else 0):
+                later.setdefault(k, []).append((i, n))
+        delayed = {g for gs in later.values() for g in gs}
+        casts = self.casts([g for g in block.groups if g not in delayed])
+        before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
+        # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
+        marked = layer_list or (self.traced and block.saved is block.am.decoder_layer)
+        return casts + _flat(self.ordered("layer_forward", block.saved, marked, block.am, before))
 
     @property
     def traced(self) -> bool:
@@ -591,23 +597,17 @@ class _Step:
                 self.sim.alloc(size / per)
 
         def temps(g: ParamGroup, n: int) -> None:  # a Python loop: one tensor's temporaries at a time
-            for _ in range(n):
+            for _ in range(n if rule.per_tensor_temp else 0):
                 made = [self.sim.alloc(g.numel * FP32) for _ in range(int(per_tensor_temps(rule, g, self.prec)))]
                 self.sim.free(made)
 
-        if rule.per_param_states:  # made lazily in the per-parameter loop, each beside its parameter's update
-            for g, n in self.trained_in_order():
-                if first:
-                    states(g, n)
-                if rule.per_tensor_temp:
-                    temps(g, n)
-        else:
+        # the states made lazily as the loop reaches each parameter (bitsandbytes 0.50 Optimizer8bit.step's
+        # init_state, Adafactor), each beside its update's temporaries (Adafactor's alone has them); torch's AdamW
+        # makes a group's states first (_init_group), which without per-tensor temporaries is the same order
+        for g, n in self.trained_in_order():
             if first:
-                for g, n in self.trained_in_order():
-                    states(g, n)
-            if rule.per_tensor_temp:
-                for g, n in self.trained_in_order():
-                    temps(g, n)
+                states(g, n)
+            temps(g, n)
         if rule.foreach_temp:  # foreach: the whole group's at once
             self.sim.free([self.sim.alloc(g.numel * element_bytes(g, self.prec.param) * rule.foreach_temp)
                            for g in trained for _ in range(g.count)])

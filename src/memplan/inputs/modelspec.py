@@ -75,12 +75,12 @@ class ParamGroup(Derived):
     # dense), T5's relative_attention_bias in block 0; (): every block, or outside the blocks.
     layers: tuple[int, ...] = ()
 
-    # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
-    # frozen model; it is not a field)
     def holding(self, blocks: int) -> tuple[int, ...] | range:
         """The blocks of its stack (`blocks` of them) that hold it (`layers`, or every one)."""
         return self.layers or range(blocks)
 
+    # cached: the search reads them for every layout's stage (pydantic allows cached_property on a
+    # frozen model; it is not a field)
     @cached_property
     def numel(self) -> int:
         """Elements of one tensor of this group."""
