@@ -8,10 +8,10 @@ from memplan.estimator.activations import (Tensors, inference_working_set, is_co
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
-from memplan.estimator.finetune import quantised
+from memplan.estimator.finetune import quantised, stored_tensors
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS, WeightFormat
-from memplan.estimator.states import autocast_copies, by_shape, rounded
+from memplan.estimator.states import autocast_copies, by_shape
 from memplan.estimator.meters import gpu_workspace, meters
 from memplan.inputs.modelspec import ModelSpec, ParamGroup
 from memplan.inputs.profiles import GPUProfile
@@ -82,12 +82,16 @@ def decode_kv_traffic(spec: ModelSpec, sequences: int, prompt: int, new: int, kv
     return 3 * per_token * sum(_sum_min(prompt + 1, prompt + steps, w) for w in layer_windows(spec))
 
 
-def weight_bytes(fmt: WeightFormat, spec: ModelSpec, g: ParamGroup) -> float:
-    """bitsandbytes quantises what transformers converts (finetune.quantised: nn.Linear and Conv1D layers outside
-    the modules it keeps, the head among them); embeddings, norms, fused MoE experts and routers that are
-    parameters of their own module (transformers 5.24 replace_with_bnb_linear converts Linear and Conv1D modules
-    only) stay half."""
-    return fmt.linear if quantised(spec, g) else fmt.other
+def served_tensors(fmt: WeightFormat, spec: ModelSpec, g: ParamGroup) -> list[tuple[float, int]]:
+    """(bytes, count) of the tensors one weight group occupies while serving. bitsandbytes quantises what
+    transformers converts (finetune.quantised: nn.Linear and Conv1D layers outside the modules it keeps, the head
+    among them), stored as finetune.stored_tensors lays out the format's store (LLM.int8: the int8 weight and its
+    fp32 row scales; NF4: the packed weight, its code and its absmax, each a tensor of its own); embeddings, norms,
+    fused MoE experts and routers that are parameters of their own module (transformers 5.24
+    replace_with_bnb_linear converts Linear and Conv1D modules only) stay half."""
+    if fmt.quantised and quantised(spec, g):
+        return stored_tensors(g.model_copy(update={"store": fmt.store}), HALF)
+    return [(g.numel * fmt.other, g.count)]
 
 
 def dequantised_copy(spec: ModelSpec, fmt: WeightFormat, rows: int) -> int:
@@ -101,7 +105,7 @@ def dequantised_copy(spec: ModelSpec, fmt: WeightFormat, rows: int) -> int:
 
 
 def _half_experts_note(spec: ModelSpec, fmt: WeightFormat) -> list[str]:
-    """bitsandbytes weights: say so where a MoE layer's fused experts stay half (weight_bytes)."""
+    """bitsandbytes weights: say so where a MoE layer's fused experts stay half (served_tensors)."""
     half = sum(g.total for g in spec.params if g.category == "experts" and not quantised(spec, g))
     if not fmt.quantised or not half:
         return []
@@ -142,7 +146,8 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     fmt = WEIGHT_FORMATS[w.precision]
     autocast = serving_autocast(w.precision)
     p, r, kv_b = serving_widths(spec, w.precision)
-    weights = rounded(spec.params, lambda g: g.numel * weight_bytes(fmt, spec, g)) + round_block(spec.buffer_bytes)
+    weights = sum(round_block(nbytes) * n for g in spec.params for nbytes, n in served_tensors(fmt, spec, g)) + \
+        round_block(spec.buffer_bytes)
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
@@ -173,7 +178,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     notes = ([f"{w.kv_cache} KV cache for {seqs} sequences x {length} tokens"] if generate else []) + (
         _half_experts_note(spec, fmt))
     parts = {"weights": weights, "autocast_cache": c, "kv_cache": kv, "transient": _rounded_total(work_ts)}
-    persistent = segments_of([(g.numel * weight_bytes(fmt, spec, g), g.count) for g in by_shape(spec.params)])
+    persistent = segments_of([t for g in by_shape(spec.params) for t in served_tensors(fmt, spec, g)])
     act_segments = segments_of(_arithmetic_items(work_ts))
     mt = meters(gpu, w.task, sum(parts.values()), persistent, act_segments, parts["transient"])
     allocated, (reserved, used) = mt.allocated, mt.mode(w.expandable_segments)

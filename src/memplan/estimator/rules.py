@@ -70,18 +70,19 @@ TRAIN_PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """Inference weight storage: bytes per element of quantised linear weights and what else stays half."""
+    """Inference weight storage: the store bitsandbytes gives the linear weights it quantises (the ParamGroup store
+    finetune.stored_tensors lays out) and the bytes per element of every other weight."""
 
     name: str
-    linear: float  # bytes/param of linear-layer weights (attention, MLP, experts)
-    other: float  # bytes/param of everything else (embeddings, norms, lm_head, biases)
+    store: str  # the quantised linear weights' ParamGroup store ("int8", "4bit"); "": none quantised
+    other: float  # bytes/param of every weight not quantised (all of them, or embeddings, norms, lm_head, biases)
     compute: str  # dtype of activations
     source: str
 
     @property
     def quantised(self) -> bool:
-        """bitsandbytes' formats (int8, int4): the linear layers stored below the rest's half width."""
-        return self.linear < self.other
+        """bitsandbytes' formats (int8, int4)."""
+        return bool(self.store)
 
 
 # bitsandbytes LLM.int8: int8 weight + one fp32 scale per output row (SCB) ~ 1 B/param.
@@ -90,14 +91,16 @@ class WeightFormat:
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     w.name: w
     for w in (
-        WeightFormat("fp32", 4, 4, "fp32", "float32 weights"),
-        WeightFormat("fp16", 4, 4, "fp16", "fp32 weights under autocast: 4 + 2 (cached half copy) = 6 B/param, "
+        WeightFormat("fp32", "", 4, "fp32", "float32 weights"),
+        WeightFormat("fp16", "", 4, "fp16", "fp32 weights under autocast: 4 + 2 (cached half copy) = 6 B/param, "
                      "the HF docs' mixed-precision inference rule"),
-        WeightFormat("bf16", 4, 4, "bf16", "as fp16, with bfloat16 copies"),
-        WeightFormat("fp16-pure", 2, 2, "fp16", "torch_dtype=float16"),
-        WeightFormat("bf16-pure", 2, 2, "bf16", "torch_dtype=bfloat16"),
-        WeightFormat("int8", 1.0, 2, "fp16", "bitsandbytes LLM.int8 (load_in_8bit): int8 + fp32 row scale"),
-        WeightFormat("int4", 0.5 + 4 / 64, 2, "fp16", "bitsandbytes NF4 (load_in_4bit), blocksize 64, fp32 absmax"),
+        WeightFormat("bf16", "", 4, "bf16", "as fp16, with bfloat16 copies"),
+        WeightFormat("fp16-pure", "", 2, "fp16", "torch_dtype=float16"),
+        WeightFormat("bf16-pure", "", 2, "bf16", "torch_dtype=bfloat16"),
+        WeightFormat("int8", "int8", 2, "fp16", "bitsandbytes LLM.int8 (load_in_8bit): the int8 weight and an fp32 "
+                     "scale per output row (SCB)"),
+        WeightFormat("int4", "4bit", 2, "fp16", "bitsandbytes NF4 (load_in_4bit, no double quantisation): the packed "
+                     "weight, its 16-entry fp32 code and an fp32 absmax per block of 64"),
     )
 }
 INFER_PRECISIONS = tuple(WEIGHT_FORMATS)

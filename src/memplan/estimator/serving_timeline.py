@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, layer_kinds
 from memplan.estimator.families import family
 from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
-                                         serving_widths, weight_bytes)
+                                         served_tensors, serving_widths)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
@@ -108,8 +108,10 @@ class _Serve:
 
     def run(self) -> None:
         for g, n in module_order(self.spec.params, self.blocks):
+            pieces = served_tensors(self.fmt, self.spec, g)  # a quantised weight, then its scales (load order)
             for _ in range(n):
-                self.sim.alloc(g.numel * weight_bytes(self.fmt, self.spec, g))
+                for nbytes, _ in pieces:
+                    self.sim.alloc(nbytes)
         if self.spec.buffer_bytes:
             self.sim.alloc(self.spec.buffer_bytes)
         if self.spec.arch != "vision":  # the prompts' token ids (an image model's pixels: ws["around"])
