@@ -48,12 +48,15 @@ def _serving_rows():
 
 # one per way the replay differs: a pure-half SDPA decoder, autocast's cached casts, Falcon's uncached casts and own
 # eager scores, an fp32-softmax eager core under autocast and in pure half (its cast back), MoE, MoE with shared
-# experts after the routed ones (-6.4 % before their moments), MLA, a 4-bit model, a scoring forward (no KV cache)
+# experts after the routed ones (-6.4 % before their moments), MLA, a 4-bit model, a scoring forward (no KV cache),
+# LLM.int8 and GPT2Block's order (GPT-BigCode-small -5.25 % before it, GPT-2 int8 -7.75 % under expandable segments
+# with its block end alone)
 PICKED = [("starcoder2-small", "bf16-pure", "sdpa"), ("gemma3-small", "bf16", "sdpa"),
           ("falcon-small", "bf16", "eager"), ("qwen3-small", "bf16", "eager"),
           ("starcoder2-small", "bf16-pure", "eager"),
           ("qwen3_moe-small", "bf16-pure", "sdpa"), ("deepseek_v3-moe-small", "bf16-pure", "sdpa"),
-          ("deepseek_v3-small", "bf16", "sdpa"), ("llama-small", "int4", "sdpa"), ("gpt2", "int4", "sdpa")]
+          ("deepseek_v3-small", "bf16", "sdpa"), ("llama-small", "int4", "sdpa"), ("gpt2", "int4", "sdpa"),
+          ("gpt2", "int8", "sdpa"), ("gpt_bigcode-small", "bf16-pure", "sdpa")]
 
 
 @pytest.mark.parametrize("name,precision,attn", PICKED, ids=[f"{n}-{p}-{a}" for n, p, a in PICKED])
@@ -79,6 +82,34 @@ MiB = 2**20
 # softmax freed, add freed; and qwen3-small under autocast: the add fp32, _softmax, add freed, the PV matmul's cast
 TRACED_CORES = {("starcoder2-small", "bf16-pure"): [8, 8, -8, 8, -8, 16, 16, -16, 8, -16, -8],
                 ("qwen3-small", "bf16"): [8, 8, -8, 16, -8, 16, -16, 8, -8]}
+
+
+# the traced prefill's second block of gpt_bigcode-small b2 s512 bf16-pure SDPA (`memplan verify --task infer
+# --device fake`), its allocations (+) and frees (-) of 64 KiB and more, in MiB: ln_1, the fused c_attn output, the
+# cache's k and v (multi-query: one head each), the SDPA output, c_proj's output (the block keeps it), the SDPA output
+# and c_attn's freed, the residual sum, ln_1's freed, ln_2, c_fc, the GELU, c_fc's freed, c_proj, the GELU's freed,
+# the block's sum, then the block's locals freed (ln_2, the residual, both c_proj outputs, the block's input)
+TRACED_GPT2_BLOCK = [.5, .625, .0625, .0625, .5, .5, -.5, -.625, .5, -.5, .5, 2, 2, -2, .5, -2, .5, -.5, -.5, -.5, -.5,
+                     -.5]
+
+
+def test_a_gpt2_block_runs_in_the_traced_order():
+    """The serving walk makes the cache after the fused projection, c_proj's output inside the attention and the
+    MLP's c_proj output before the activation dies (serving_timeline.block_end). It reaches the MLP's moment by size,
+    so the traced residual sum and second norm are the SDPA output's and the first norm's storages (the SDPA
+    output's free and the three entries after c_attn's free are not the walk's)."""
+    spec = memplan.resolve_model(str(ROOT / "benchmarks/accuracy/configs/gpt_bigcode-small.json"))
+    e = memplan.estimate(spec, "a100-80g", task="infer", micro_batch=2, seq_len=512, max_new_tokens=16,
+                         precision="bf16-pure")
+    events = ServingKey.of(spec, e.workload).events()
+    sizes, signed = {}, []
+    for key, nbytes in events:
+        sizes.setdefault(key, nbytes)
+        signed.append(nbytes / MiB if nbytes >= 0 else -sizes[key] / MiB)
+    big = [x for x in signed if abs(x) >= 1 / 16]
+    starts = [i for i in range(len(big)) if big[i:i + 3] == [.5, .625, 1 / 16]]  # each block's ln_1, c_attn, k
+    walked = TRACED_GPT2_BLOCK[:6] + TRACED_GPT2_BLOCK[7:8] + TRACED_GPT2_BLOCK[11:]
+    assert big[starts[1]:starts[1] + len(walked)] == walked
 
 
 @pytest.mark.parametrize("name,precision", list(TRACED_CORES), ids=[f"{n}-{p}" for n, p in TRACED_CORES])

@@ -1135,18 +1135,7 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     # an encoder's layers are post-norm (BertLayer: the attention's LayerNorm output is the MLP input), so no
     # norm output precedes the attention and none beside the MLP's input
     post_norm = spec.arch == "encoder" or family(spec.model_type).post_norm_layers
-    rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
-    fam = family(spec.model_type)
-    around = [Tensors("rotary cos, sin", r * s * rope_dim, 2 * fam.rope_tables)] if spec.position == "rotary" else []
-    if attn != "eager" and spec.arch == "decoder" and sdpa_masked(spec, context or s):
-        # masking_utils builds the sliding-window (or Falcon's) mask once per forward as booleans, broadcast over
-        # the batch, and passes it to every layer's SDPA (traced: Gemma 3)
-        around.append(Tensors("SDPA boolean mask", s * (context or s)))
-    if attn == "eager" and spec.arch == "decoder":
-        # transformers 5.23 masking_utils: eager gets the causal mask as a float (b, 1, s, s) tensor in the
-        # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
-        # flash take is_causal instead)
-        around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
+    around = _inference_around(spec, b, s, r, attn, context)
     mlp = max((_inference_mlp(spec, T, s, p, r, post_norm, dequant, x) for x in mlp_kinds(spec, kind)), key=total)
     head: list[Tensors] = [Tensors("final norm output", r * h * T)]
     if spec.head in LM_HEADS:
@@ -1170,6 +1159,27 @@ def inference_working_set(spec: ModelSpec, b: int, s: int, p: int, r: int, attn:
     # "around": what every layer reads, the first entries of each layer moment's list (the serving replay makes them
     # once a forward: serving_timeline.py)
     return {k: around + ts for k, ts in layer.items()} | {"head": head, "around": around}
+
+
+def _inference_around(spec: ModelSpec, b: int, s: int, r: int, attn: str, context: int) -> list[Tensors]:
+    """What every layer of a no_grad forward reads, made once by the model's forward (inference_working_set's
+    "around")."""
+    fam = family(spec.model_type)
+    rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
+    around = [Tensors("rotary cos, sin", r * s * rope_dim, 2 * fam.rope_tables)] if spec.position == "rotary" else []
+    if fam.block_keeps_attn_output:
+        # GPT2Model.forward's position embeddings (wpe's output, 1 x s x h) live beside the blocks to the last one
+        around.append(Tensors("position embeddings", r * spec.hidden_size * s))
+    if attn != "eager" and spec.arch == "decoder" and sdpa_masked(spec, context or s):
+        # masking_utils builds the sliding-window (or Falcon's) mask once per forward as booleans, broadcast over
+        # the batch, and passes it to every layer's SDPA (traced: Gemma 3)
+        around.append(Tensors("SDPA boolean mask", s * (context or s)))
+    if attn == "eager" and spec.arch == "decoder":
+        # transformers 5.23 masking_utils: eager gets the causal mask as a float (b, 1, s, s) tensor in the
+        # embeddings' dtype, made once per attention kind (full, sliding) and passed to every layer (SDPA and
+        # flash take is_causal instead)
+        around.append(Tensors("causal masks (eager)", r * b * s * (context or s), max(1, len(set(spec.layer_types)))))
+    return around
 
 
 def _shared_expert_moments(spec: ModelSpec, T: int, p: int, r: int, streams: list[Tensors],
@@ -1224,7 +1234,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if parallel:
         mlp.append(Tensors("attention output (parallel layer)", p * h * T))
     if fam.block_keeps_attn_output:
-        mlp += [Tensors("attention output (kept by the block)", r * h * T), Tensors("position embeddings", r * h * s)]
+        mlp += [Tensors("attention output (kept by the block)", r * h * T)]
     if not moe:
         plain = mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
         return max([plain] + _dequant_moments(spec, T, p, dequant, mlp), key=total)
@@ -1367,6 +1377,29 @@ def inference_eager_core(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     return ops
 
 
+def _inference_eager_scores(spec: ModelSpec, b: int, s: int, p: int, r: int, s_kv: int) -> list[Tensors]:
+    """Eager attention's scores and softmax under no_grad (_inference_attention's core)."""
+    a = spec.num_heads
+    # the scaled scores (plus a decoder's float mask, in the residual stream's dtype, so promoted to it)
+    # beside the softmax output: fp32 where the family, an fp32 model or autocast computes it in fp32, after
+    # an fp32 copy of a half input (traced)
+    m = r if spec.arch == "decoder" else p
+    fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
+    sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
+    own = family(spec.model_type).eager_score_tensors
+    # FalconAttention's eager path: QK^T in the matmul dtype, the rest in the hidden states' dtype (scores +
+    # the float mask, softmax(..., dtype=hidden_states.dtype) as two _softmax results at its peak) (traced).
+    # Each its own storage: the serving replay (serving_timeline.py) allocates them one by one
+    widths = [p] + [r] * (own - 1) if own else [m] + ([FP32] * (sm // FP32) if fp32_softmax else [sm])
+    core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv,
+                    kind=TensorKind.CORE) for width in widths]
+    if family(spec.model_type).attention_sinks:  # GPT-OSS: the masked scores, then cat - max and softmax
+        core = [Tensors("masked scores", r * b * a * s * s_kv, kind=TensorKind.CORE),
+                Tensors("scores with the sink, less their max; softmax", r * b * a * s * (s_kv + 1), 2,
+                        kind=TensorKind.CORE)]
+    return core
+
+
 def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: str, context: int,
                          post_norm: bool) -> dict[str, list[Tensors]]:
     """A layer's attention under no_grad: the embedding output, the layer input and the norm output (no norm
@@ -1392,26 +1425,20 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
     else:
         qkv_ts = [Tensors("q, k, v", (qkv * (a + k) + p * k) * d * T)]
     if attn == "eager":
-        # the scaled scores (plus a decoder's float mask, in the residual stream's dtype, so promoted to it)
-        # beside the softmax output: fp32 where the family, an fp32 model or autocast computes it in fp32, after
-        # an fp32 copy of a half input (traced)
-        m = r if spec.arch == "decoder" else p
-        fp32_softmax = family(spec.model_type).softmax_fp32 or r == FP32
-        sm = (FP32 + (FP32 if m != FP32 else 0)) if fp32_softmax else m
-        own = family(spec.model_type).eager_score_tensors
-        # FalconAttention's eager path: QK^T in the matmul dtype, the rest in the hidden states' dtype (scores +
-        # the float mask, softmax(..., dtype=hidden_states.dtype) as two _softmax results at its peak) (traced).
-        # Each its own storage: the serving replay (serving_timeline.py) allocates them one by one
-        widths = [p] + [r] * (own - 1) if own else [m] + ([FP32] * (sm // FP32) if fp32_softmax else [sm])
-        core = [Tensors("masked scores, softmax (and its fp32 input copy)", width * b * a * s * s_kv,
-                        kind=TensorKind.CORE) for width in widths]
-        if family(spec.model_type).attention_sinks:  # GPT-OSS: the masked scores, then cat - max and softmax
-            core = [Tensors("masked scores", r * b * a * s * s_kv, kind=TensorKind.CORE),
-                    Tensors("scores with the sink, less their max; softmax", r * b * a * s * (s_kv + 1), 2,
-                            kind=TensorKind.CORE)]
+        core = _inference_eager_scores(spec, b, s, p, r, s_kv)
     else:
         core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
+    if family(spec.model_type).block_keeps_attn_output:
+        # GPT2Block's attention returns its c_proj output, which the block holds to its end; c_proj runs inside the
+        # attention, while the fused c_attn output and the core's output are alive (traced: GPT-2 int8 and
+        # GPT-BigCode-small bf16-pure serving, the c_attn output freed after c_proj's)
+        core = core + [Tensors("attention output (kept by the block)", r * h * T)]
     out = {"attention": stream + qkv_ts + core}
+    if spec.position != "rotary":
+        # without RoPE the cache update follows the projections (GPT2Attention: c_attn, split, then
+        # past_key_values.update's copies, then the core): the serving replay makes the cache after this moment
+        # (serving_timeline.kv_moment). MLA's latent cache is rotary (DeepseekV3Attention) and has no such moment
+        out["projection"] = stream + qkv_ts[:1]
     if attn == "eager" and not family(spec.model_type).eager_score_tensors and not inference_eager_core(
             spec, b, s, p, r, attn, context):
         # before the mask: QK^T and its scaled copy, the product freed after the sum (eager_attention_forward:

@@ -139,9 +139,11 @@ class Events:
 
 # A block's forward without autograd, moment by moment: the serving replay's prefill and decode steps
 # (serving_timeline.py) and full checkpointing's first forward (_Step.forward) walk it. The moments of a block, in
-# the order its forward reaches them (its first norm, RoPE, eager's scores before their mask, the attention core,
-# the second norm, then the MLP); their live tensors are activations.inference_working_set's.
-MOMENTS = ("norm", "rotary", "scores", "attention", "mlp norm", "mlp", "shared experts", "shared down")
+# the order its forward reaches them (its first norm, the attention's first projection, RoPE, eager's scores before
+# their mask, the attention core, the second norm, then the MLP); their live tensors are
+# activations.inference_working_set's.
+MOMENTS = ("norm", "projection", "rotary", "scores", "attention", "mlp norm", "mlp", "shared experts",
+           "shared down")
 
 
 def own_sizes(moment: list[Tensors], around: list[Tensors], stream: int) -> list[int]:
