@@ -216,6 +216,42 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 68
               "tie_word_embeddings": False}
 
 
+def test_eager_gqa_training_keeps_the_kv_cache_until_the_loss(monkeypatch):
+    """transformers builds a DynamicCache in a training forward too (use_cache on; only gradient checkpointing turns
+    it off): each layer's update makes torch.cat copies of its k and v at the kv heads, and the model's output holds
+    them until the loss is taken. Eager attention under GQA saves repeat_kv's copies instead, so the cache's are
+    memory of their own: the estimator's forward_cache (activations._cache_copies), made by the replay (timeline.py)."""
+    from memplan.estimator.activation_arrays import ActsKey
+    from memplan.inputs.hf import spec_from_config
+    from memplan.verify.tracer import LiveTracker
+
+    seen = {}
+    real = LiveTracker.summarize
+
+    def summarize(self):
+        seen["tracker"] = self
+        return real(self)
+
+    monkeypatch.setattr(LiveTracker, "summarize", summarize)
+    w = api.workload(micro_batch=2, seq_len=64, precision="bf16-pure", attn="eager", optim="adamw_torch")
+    run_traced(TINY_LLAMA, "causal-lm", w, (8, 0), "fake", 1)
+    t = seen["tracker"]
+    backward = next(pos for pos, phase in t.marks if phase == "backward")
+    loss = next(i for i, a in enumerate(t.allocs) if a.op.startswith("nll_loss"))
+    kv = 2 * 64 * 2 * 64 * 2  # b * s * kv heads * head_dim, bf16
+    born, freed = {}, {}
+    for pos, e in enumerate(t.events):
+        (born if e >= 0 else freed)[e if e >= 0 else ~e] = pos
+    cache = [i for i, a in enumerate(t.allocs) if a.op == "cat.default" and a.nbytes == kv
+             and born[i] < born[loss] < freed.get(i, len(t.events)) <= backward]
+    assert len(cache) == 2 * TINY_LLAMA["num_hidden_layers"]
+    spec = spec_from_config(TINY_LLAMA, "tiny-llama", "causal-lm")
+    am = ActsKey.of(spec, w).model(2)
+    assert [t.nbytes for t in am.forward_cache] == [kv, kv]
+    for other in (dict(attn="sdpa"), dict(grad_ckpt="selective"), dict(grad_ckpt="full")):
+        assert ActsKey.of(spec, w.model_copy(update=other)).model(2).forward_cache == [], other
+
+
 def _trainable_and_stored(w, device: str):
     """(trainable parameter count, bytes of the weights and quantisation states) of the model verify builds."""
     import contextlib

@@ -105,6 +105,9 @@ class ActivationModel:
     # where no checkpoint holds them (checkpoint_masks; traced, llama4-small bf16 eager: the chunked and the full
     # layers' fp32 masks, 2 MiB each, made before the first layer and freed after the last); only the replay makes them
     forward_masks: list[Tensors] = field(default_factory=list)
+    # the KV cache a layer's forward fills where nothing saved stands for it, alive from the layer's cache update to
+    # the loss's end (_cache_copies)
+    forward_cache: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -939,7 +942,26 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         mlp_start=_start_of(order.mlp, block, layer, kept),
         experts_start=_start_of(order.experts, block, layer, kept),
         forward_masks=shard([] if selective or not kv_cache else masks, tp, sp),
+        forward_cache=shard(_cache_copies(spec, b, s, prec, attn, selective, kv_cache), tp, sp),
     )
+
+
+def _cache_copies(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, selective: bool,
+                  kv_cache: bool) -> list[Tensors]:
+    """A decoder layer's KV cache in training where no saved tensor is it. With use_cache on (transformers turns it
+    off only under gradient checkpointing) a decoder's forward builds a DynamicCache, and each layer's update
+    (DynamicLayer.update: torch.cat) copies its k and v at the kv heads; the model's output holds the cache until the
+    loss is taken from it (verify's step and the Trainer's compute_loss drop the output then, before backward). SDPA
+    and flash attention save those copies as their inputs, and selective recomputation as the core's; eager
+    attention under GQA saves repeat_kv's copies at the query heads instead, so the cache's are more memory
+    (traced: llama4-small bf16-pure eager, 0.25 MiB each per layer beside the saved repeat_kv copies)."""
+    if not (kv_cache and attn == "eager" and not selective and spec.arch == "decoder"
+            and spec.num_kv_heads < spec.num_heads):
+        return []
+    p = HALF if prec.autocast else prec.act
+    qk = prec.residual if rotary_in_stream_dtype(spec) and prec.autocast else p  # RoPE's k, as _attention's
+    kv = spec.num_kv_heads * spec.head_dim * b * s
+    return [Tensors("KV cache: k", qk * kv), Tensors("KV cache: v", p * kv)]
 
 
 def _sequences(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int, prec: Precision,
@@ -1428,10 +1450,11 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         core = _inference_eager_scores(spec, b, s, p, r, s_kv)
     else:
         core = [Tensors("attention output", p * a * d * T)] + _inference_sdpa_extras(spec, b, s, p, r, context)
-    if family(spec.model_type).block_keeps_attn_output:
+    if family(spec.model_type).block_keeps_attn_output and attn != "eager":
         # GPT2Block's attention returns its c_proj output, which the block holds to its end; c_proj runs inside the
         # attention, while the fused c_attn output and the core's output are alive (traced: GPT-2 int8 and
-        # GPT-BigCode-small bf16-pure serving, the c_attn output freed after c_proj's)
+        # GPT-BigCode-small bf16-pure serving, the c_attn output freed after c_proj's). Eager's scores are gone by
+        # then: its moment is the scores', and the output is the MLP moment's
         core = core + [Tensors("attention output (kept by the block)", r * h * T)]
     out = {"attention": stream + qkv_ts + core}
     if spec.position != "rotary":

@@ -58,6 +58,7 @@ class StageCells(NamedTuple):
 
     phases: np.ndarray
     transient: np.ndarray
+    kv_cache: np.ndarray  # the forward's KV cache (training with use_cache on), alive at the loss's forward
     weights: np.ndarray
     adapters: np.ndarray  # part of weights
     quant_constants: np.ndarray  # part of weights
@@ -165,8 +166,9 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     last_bwd = np.where(full, _first_list(sa, first_block), recompute) + sa["layer_backward"] + c_mlp_layer
     base = st["weights"] + st["states"] + g_live + st["comm"] + st["gathered"]
     after_backward = st["weights"] + st["states"] + st["grads"] + st["comm"]
+    kv = n_layers * sa["forward_cache"]  # every layer's KV cache until the loss (activations._cache_copies)
     phases = np.stack([
-        base + c_all + acts + sa["loss_forward"],
+        base + c_all + acts + kv + sa["loss_forward"],
         base + c_start + acts + sa["loss_backward"],
         base + c_bwd + acts - sa["lsm"] + g_head + layer_bwd,
         np.where(per_mb.sum(axis=0) > 1, base + c_last + acts_last + g_done + last_bwd, -1),
@@ -175,7 +177,7 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     ])
     zero = np.zeros((B, K), np.int64)
     transient = np.stack([sa["loss_forward"], sa["loss_backward"], layer_bwd, last_bwd, zero, tied_sum])
-    return StageCells(phases, transient, st["weights"], st["adapters"], st["quant_constants"], st["states"],
+    return StageCells(phases, transient, kv, st["weights"], st["adapters"], st["quant_constants"], st["states"],
                       st["managed"], st["comm"], st["gathered"], st["temp"], st["grads"], g_live, g_head, c_all, c_bwd,
                       c_start, c_last, acts, acts_last, g_done, sa["lsm"], st["cpu"], st["n_params"],
                       st["n_trained"], st["persistent_segments"], flight, sets, sets - per_mb + first_block, n_layers)
@@ -251,6 +253,7 @@ def breakdown(c: StageCells, idx: np.ndarray) -> dict[str, np.ndarray]:
             [idx == FORWARD_LOSS, idx == BACKWARD_START, idx == BACKWARD_LAST], [c.c_all, c.c_start, c.c_last],
             c.c_bwd)),
         "activations": activations_now(c, idx),
+        "kv_cache": np.where(idx == FORWARD_LOSS, c.kv_cache, 0),
     }
 
 
@@ -294,7 +297,8 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
     for si, c in enumerate(cells):
         sel = (pick_last if si == len(cells) - 1 and pp > 1 else ~pick_last) & (moment < OPTIMIZER_STEP)
         act_segs[sel] = activation_segments(stack, stages[si], pp, c, moment, sel)
-    churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0])
+    churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0]
+                   + np.where(moment == FORWARD_LOSS, c.kv_cache, 0))
     mt = meters(gpu, "train", np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
     managed = chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
     modes = mt._replace(device_used=mt.device_used + managed,

@@ -324,6 +324,7 @@ class _Step:
         if self.reads < 2 or self.shared is None or not self.groups[self.shared].trainable:
             self.shared = None
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
+        self.kv: list[int] = []  # the forward's KV cache (ActivationModel.forward_cache), freed after the loss
         self.parts = 0
         # full checkpointing's first forward of each block, by its layer kind (activations.layer_kinds)
         kinds = layer_kinds(k.spec) or (None,) * len(self.blocks)
@@ -435,6 +436,7 @@ class _Step:
         layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
         if not block.recorded:
             casts = self.casts(block.groups)
+            self.kv += self.tensors(block.am.forward_cache)
             self.sim.free(self.tensors(block.am.layer) + casts)  # nothing requires a gradient yet
             return []
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
@@ -459,6 +461,10 @@ class _Step:
         delayed = {g for gs in later.values() for g in gs}
         casts = self.casts([g for g in block.groups if g not in delayed])
         before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
+        if block.am.forward_cache:  # the cache update, after RoPE and before repeat_kv's copies (the core's first)
+            at = next(k for k, t in enumerate(block.saved) if is_core(t))
+            made = before.get(at, lambda: None)
+            before[at] = lambda: (made(), self.kv.extend(self.tensors(block.am.forward_cache)))
         # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
         marked = layer_list or (self.traced and block.saved is block.am.decoder_layer)
         return casts + _flat(self.ordered("layer_forward", block.saved, marked, block.am, before))
@@ -507,6 +513,8 @@ class _Step:
         lsm = [key for k in lsm_at for key in keys.pop(k)]
         head += _flat(keys)
         self.sim.free(cached)  # autocast's exit clears its cache; backward recomputes the casts it needs
+        self.sim.free(self.kv)  # the model's output, which holds the KV cache, dies once the loss is taken
+        self.kv = []
         # the loss's backward transients peak beside the log-softmax output its backward reads, before the head's
         # gradient exists (the estimate's backward-start moment; traced: Llama-3.2-1B under freeze peaks there, the
         # tied matrix's fp32 gradient not yet made)
