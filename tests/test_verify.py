@@ -216,13 +216,9 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 68
               "tie_word_embeddings": False}
 
 
-def test_eager_gqa_training_keeps_the_kv_cache_until_the_loss(monkeypatch):
-    """transformers builds a DynamicCache in a training forward too (use_cache on; only gradient checkpointing turns
-    it off): each layer's update makes torch.cat copies of its k and v at the kv heads, and the model's output holds
-    them until the loss is taken. Eager attention under GQA saves repeat_kv's copies instead, so the cache's are
-    memory of their own: the estimator's forward_cache (activations._cache_copies), made by the replay (timeline.py)."""
-    from memplan.estimator.activation_arrays import ActsKey
-    from memplan.inputs.hf import spec_from_config
+def _cache_alive_at_the_loss(monkeypatch, config, w) -> int:
+    """Bytes of the torch.cat copies of one k (b, s, kv heads, head_dim) a traced training step holds from the loss's
+    forward until before its backward: the KV cache no saved tensor is."""
     from memplan.verify.tracer import LiveTracker
 
     seen = {}
@@ -233,23 +229,42 @@ def test_eager_gqa_training_keeps_the_kv_cache_until_the_loss(monkeypatch):
         return real(self)
 
     monkeypatch.setattr(LiveTracker, "summarize", summarize)
-    w = api.workload(micro_batch=2, seq_len=64, precision="bf16-pure", attn="eager", optim="adamw_torch")
-    run_traced(TINY_LLAMA, "causal-lm", w, (8, 0), "fake", 1)
+    run_traced(config, "causal-lm", w, (8, 0), "fake", 1)
     t = seen["tracker"]
     backward = next(pos for pos, phase in t.marks if phase == "backward")
     loss = next(i for i, a in enumerate(t.allocs) if a.op.startswith("nll_loss"))
-    kv = 2 * 64 * 2 * 64 * 2  # b * s * kv heads * head_dim, bf16
     born, freed = {}, {}
     for pos, e in enumerate(t.events):
         (born if e >= 0 else freed)[e if e >= 0 else ~e] = pos
-    cache = [i for i, a in enumerate(t.allocs) if a.op == "cat.default" and a.nbytes == kv
-             and born[i] < born[loss] < freed.get(i, len(t.events)) <= backward]
-    assert len(cache) == 2 * TINY_LLAMA["num_hidden_layers"]
-    spec = spec_from_config(TINY_LLAMA, "tiny-llama", "causal-lm")
-    am = ActsKey.of(spec, w).model(2)
-    assert [t.nbytes for t in am.forward_cache] == [kv, kv]
-    for other in (dict(attn="sdpa"), dict(grad_ckpt="selective"), dict(grad_ckpt="full")):
-        assert ActsKey.of(spec, w.model_copy(update=other)).model(2).forward_cache == [], other
+    return sum(a.nbytes for i, a in enumerate(t.allocs) if a.op == "cat.default"
+               and born[i] < born[loss] < freed.get(i, len(t.events)) <= backward)
+
+
+@pytest.mark.parametrize("kw,layers", [(dict(attn="eager"), (0, 1, 2, 3)),
+                                       (dict(attn="sdpa", method="freeze", trainable_layers=1), (0, 1, 2))],
+                         ids=["eager-gqa", "sdpa-frozen-blocks"])
+def test_training_keeps_the_kv_cache_no_saved_tensor_is(monkeypatch, kw, layers):
+    """transformers builds a DynamicCache in a training forward too (use_cache on; only gradient checkpointing turns
+    it off): each layer's update makes torch.cat copies of its k and v at the kv heads, and the model's output holds
+    them until the loss is taken. Eager attention under GQA saves repeat_kv's copies instead, and a frozen block
+    autograd does not record saves nothing, so those layers' copies are memory of their own: the step's kv_cache at
+    the loss's forward (activations._cache_copies), which the replay makes too (timeline.py)."""
+    import numpy as np
+
+    from memplan.estimator.step import FORWARD_LOSS, breakdown, evaluate
+    from memplan.inputs.hf import spec_from_config
+
+    config = {**TINY_LLAMA, "num_hidden_layers": 4}
+    w = api.workload(micro_batch=2, seq_len=64, precision="bf16-pure", optim="adamw_torch", **kw)
+    k = 2 * 64 * 2 * 64 * 2  # one k or v: b * s * kv heads * head_dim, bf16
+    assert _cache_alive_at_the_loss(monkeypatch, config, w) == 2 * k * len(layers)
+    spec = spec_from_config(config, "tiny-llama", "causal-lm")
+    cells = evaluate(spec, api.resolve_gpu("a100-80g"), [w], [2], 2).cells[0]
+    assert breakdown(cells, np.array([[FORWARD_LOSS]]))["kv_cache"][0, 0] == 2 * k * len(layers)
+    for other in (dict(grad_ckpt="selective"), dict(grad_ckpt="full")):
+        moved = w.model_copy(update=other)
+        assert evaluate(spec, api.resolve_gpu("a100-80g"), [moved], [2], 2).cells[0].kv_cache[0, 0] == (
+            2 * k * len(layers) if other["grad_ckpt"] == "selective" and "method" in kw else 0), other
 
 
 def _trainable_and_stored(w, device: str):

@@ -30,7 +30,8 @@ from memplan.inputs.workload import Workload
 # The lists of an activation model the step sums (ActivationModel's fields; lsm: the loss's saved
 # log-softmax output within head_saved, freed during the last layer's backward).
 LISTS = ("layer", "decoder_layer", "embed", "head_saved", "lsm", "layer_input", "layer_core", "loss_forward",
-         "loss_backward", "layer_backward", "frozen_layer", "frozen_decoder_layer", "forward_cache")
+         "loss_backward", "layer_backward", "frozen_layer", "frozen_decoder_layer", "forward_cache",
+         "unrecorded_cache")
 LIST = {name: i for i, name in enumerate(LISTS)}
 
 

@@ -106,8 +106,9 @@ class ActivationModel:
     # layers' fp32 masks, 2 MiB each, made before the first layer and freed after the last); only the replay makes them
     forward_masks: list[Tensors] = field(default_factory=list)
     # the KV cache a layer's forward fills where nothing saved stands for it, alive from the layer's cache update to
-    # the loss's end (_cache_copies)
+    # the loss's end (_cache_copies): a block autograd records, and one it does not (freeze)
     forward_cache: list[Tensors] = field(default_factory=list)
+    unrecorded_cache: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -943,25 +944,35 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         experts_start=_start_of(order.experts, block, layer, kept),
         forward_masks=shard([] if selective or not kv_cache else masks, tp, sp),
         forward_cache=shard(_cache_copies(spec, b, s, prec, attn, selective, kv_cache), tp, sp),
+        unrecorded_cache=shard(_cache_copies(spec, b, s, prec, attn, selective, kv_cache, recorded=False), tp, sp),
     )
 
 
-def _cache_copies(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, selective: bool,
-                  kv_cache: bool) -> list[Tensors]:
+def _cache_copies(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str, selective: bool, kv_cache: bool,
+                  recorded: bool = True) -> list[Tensors]:
     """A decoder layer's KV cache in training where no saved tensor is it. With use_cache on (transformers turns it
     off only under gradient checkpointing) a decoder's forward builds a DynamicCache, and each layer's update
     (DynamicLayer.update: torch.cat) copies its k and v at the kv heads; the model's output holds the cache until the
-    loss is taken from it (verify's step and the Trainer's compute_loss drop the output then, before backward). SDPA
-    and flash attention save those copies as their inputs, and selective recomputation as the core's; eager
-    attention under GQA saves repeat_kv's copies at the query heads instead, so the cache's are more memory
-    (traced: llama4-small bf16-pure eager, 0.25 MiB each per layer beside the saved repeat_kv copies)."""
-    if not (kv_cache and attn == "eager" and not selective and spec.arch == "decoder"
-            and spec.num_kv_heads < spec.num_heads):
+    loss is taken from it (verify's step and the Trainer's compute_loss drop the output then, before backward). In
+    a block autograd records, SDPA and flash attention save those copies as their inputs, and selective
+    recomputation as the core's; eager attention under GQA saves repeat_kv's copies at the query heads instead, so
+    the cache's are more memory (traced: llama4-small bf16-pure eager, 0.25 MiB each per layer beside the saved
+    repeat_kv copies). A block it does not record (freeze) saves nothing, so its cache is all more memory (traced:
+    a frozen tiny Llama's blocks, SDPA and eager)."""
+    saved_elsewhere = attn != "eager" or selective or spec.is_mla or spec.num_kv_heads == spec.num_heads
+    if not (kv_cache and spec.arch == "decoder") or (recorded and saved_elsewhere):
         return []
     p = HALF if prec.autocast else prec.act
-    qk = prec.residual if rotary_in_stream_dtype(spec) and prec.autocast else p  # RoPE's k, as _attention's
-    kv = spec.num_kv_heads * spec.head_dim * b * s
-    return [Tensors("KV cache: k", qk * kv), Tensors("KV cache: v", p * kv)]
+    key, value = kv_widths(spec, query_width(spec, p, prec.residual), p)  # RoPE's k, as _attention's
+    return [Tensors("KV cache: k", key * b * s), Tensors("KV cache: v", value * b * s)]
+
+
+def kv_widths(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = None) -> tuple[int, int]:
+    """One layer's cached key and value bytes per token a sequence (inference.kv_bytes_per_token)."""
+    if spec.is_mla:  # the latent (after its RMSNorm) and k_rot (after RoPE): both in the residual stream's dtype
+        return spec.kv_lora_rank * kv_bytes, spec.qk_rope_head_dim * kv_bytes
+    width = spec.num_kv_heads * spec.head_dim
+    return width * kv_bytes, width * (kv_bytes if v_bytes is None else v_bytes)
 
 
 def _sequences(spec: ModelSpec, whole: list[Tensors], layer: list[Tensors], b: int, s: int, prec: Precision,
@@ -1218,7 +1229,7 @@ def _shared_expert_moments(spec: ModelSpec, T: int, p: int, r: int, streams: lis
     if not fs or fam.moe_all_experts or True not in mlp_kinds(spec, kind):
         return {}
     h = spec.hidden_size
-    n_f = _held_intermediates(spec, fam.gated_up_linears == 1)
+    n_f = held_intermediates(spec, fam.gated_up_linears == 1)
     routed = Tensors("routed experts' output", r * h * T)
     return {"shared experts": streams + [routed, Tensors("shared experts' intermediates", p * fs * T, n_f)],
             "shared down": streams + [routed, Tensors("shared experts' product", p * fs * T),
@@ -1247,7 +1258,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     # a fused gate_up projection (Phi-3's gate_up_proj, transformers 5's fused experts) keeps its whole output
     # alive through act(gate) * up: act, the product and both halves; separate gate and up projections free the
     # gate's output after the activation
-    n_f = _held_intermediates(spec, moe or fam.gated_up_linears == 1)
+    n_f = held_intermediates(spec, moe or fam.gated_up_linears == 1)
     # a parallel layer (GPT-NeoX, Falcon) has no residual after attention: it holds the attention's output
     # (FalconDecoderLayer: mlp_output += attention_output after the MLP) in the matmul dtype instead (traced)
     parallel = fam.parallel_residual
@@ -1256,7 +1267,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     if parallel:
         mlp.append(Tensors("attention output (parallel layer)", p * h * T))
     if fam.block_keeps_attn_output:
-        mlp += [Tensors("attention output (kept by the block)", r * h * T)]
+        mlp += [Tensors("attention output (kept by the block)", p * h * T)]
     if not moe:
         plain = mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)]
         return max([plain] + _dequant_moments(spec, T, p, dequant, mlp), key=total)
@@ -1281,7 +1292,7 @@ def _inference_mlp(spec: ModelSpec, T: int, s: int, p: int, r: int, post_norm: b
     return max(mlp + [Tensors("mlp intermediates", p * f * f_tok, n_f)], combine, key=total)
 
 
-def _held_intermediates(spec: ModelSpec, fused_up: bool) -> int:
+def held_intermediates(spec: ModelSpec, fused_up: bool) -> int:
     """An MLP's intermediates alive at once under no_grad: gated, act(gate), up and their product (and with a fused
     gate_up projection its whole output); plain, the up projection and its activation, where a Python-composed
     GELU (gelu_new: 0.5 * x * (1 + tanh(...))) holds the up projection and three of its pieces (traced: GPT-2)."""
@@ -1455,13 +1466,14 @@ def _inference_attention(spec: ModelSpec, b: int, s: int, p: int, r: int, attn: 
         # attention, while the fused c_attn output and the core's output are alive (traced: GPT-2 int8 and
         # GPT-BigCode-small bf16-pure serving, the c_attn output freed after c_proj's). Eager's scores are gone by
         # then: its moment is the scores', and the output is the MLP moment's
-        core = core + [Tensors("attention output (kept by the block)", r * h * T)]
+        core = core + [Tensors("attention output (kept by the block)", p * h * T)]
     out = {"attention": stream + qkv_ts + core}
-    if spec.position != "rotary":
+    if spec.position != "rotary" and attn != "eager":
         # without RoPE the cache update follows the projections (GPT2Attention: c_attn, split, then
         # past_key_values.update's copies, then the core): the serving replay makes the cache after this moment
-        # (serving_timeline.kv_moment). MLA's latent cache is rotary (DeepseekV3Attention) and has no such moment
-        out["projection"] = stream + qkv_ts[:1]
+        # (serving_timeline.kv_moment), whose one tensor is the projections' output. Eager's list has q, k and v
+        # at the query heads instead; MLA's latent cache is rotary (DeepseekV3Attention)
+        out["projection"] = stream + qkv_ts
     if attn == "eager" and not family(spec.model_type).eager_score_tensors and not inference_eager_core(
             spec, b, s, p, r, attn, context):
         # before the mask: QK^T and its scaled copy, the product freed after the sum (eager_attention_forward:

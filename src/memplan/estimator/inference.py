@@ -3,8 +3,8 @@ under no_grad, at prefill and while decoding (docs/estimator.md)."""
 
 from __future__ import annotations
 
-from memplan.estimator.activations import (Tensors, inference_working_set, is_core, rotary_in_stream_dtype,
-                                           total)
+from memplan.estimator.activations import (Tensors, inference_working_set, is_core, kv_widths,
+                                           rotary_in_stream_dtype, total)
 from memplan.estimator.allocation import round_block, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
@@ -29,14 +29,6 @@ def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = Non
     MLAAttentionSpec: num_kv_heads=1, head_size=kv_lora_rank + qk_rope_head_dim; DeepSeek-V3: 576 values against
     49,152 decompressed)."""
     return sum(kv_widths(spec, kv_bytes, v_bytes))
-
-
-def kv_widths(spec: ModelSpec, kv_bytes: int, v_bytes: int | None = None) -> tuple[int, int]:
-    """One layer's cached key and value bytes per token a sequence (kv_bytes_per_token)."""
-    if spec.is_mla:  # the latent (after its RMSNorm) and k_rot (after RoPE): both in the residual stream's dtype
-        return spec.kv_lora_rank * kv_bytes, spec.qk_rope_head_dim * kv_bytes
-    width = spec.num_kv_heads * spec.head_dim
-    return width * kv_bytes, width * (kv_bytes if v_bytes is None else v_bytes)
 
 
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:

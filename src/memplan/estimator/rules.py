@@ -85,9 +85,10 @@ class WeightFormat:
         return bool(self.store)
 
 
-# bitsandbytes LLM.int8: int8 weight + one fp32 scale per output row (SCB) ~ 1 B/param.
-# bitsandbytes NF4 (BitsAndBytesConfig default, no double quant): 4 bit + one fp32 absmax per block of
-# 64 -> 0.5 + 4/64 B/param. transformers keeps lm_head/embeddings/norms unquantised (get_keys_to_not_convert).
+# bitsandbytes LLM.int8: the int8 weight and one fp32 scale per output row (SCB), two tensors; NF4
+# (BitsAndBytesConfig default, no double quant): the packed 4-bit weight, its 16-entry code and an fp32 absmax per
+# block of 64, three tensors (finetune.stored_tensors lays them out, inference.served_tensors reads them).
+# transformers keeps lm_head/embeddings/norms unquantised (get_keys_to_not_convert).
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     w.name: w
     for w in (

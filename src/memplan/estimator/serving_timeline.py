@@ -7,29 +7,31 @@
 - the prefill: the embedding output and what every layer reads (RoPE's tables, masks) before the blocks; in each
   block its live tensors moment by moment (activations.inference_working_set's, in timeline.MOMENTS' order: the step
   from one moment's set to the next frees what the next does not hold and makes what it adds; a decoder's eager core
-  op by op, activations.inference_eager_core), its KV cache made where RoPE has run (without RoPE after the
-  attention moment), autocast's cached weight copies made as the block's projections first read them; then the
-  head's final norm, logits and generate's fp32 copy of them;
+  op by op, activations.inference_eager_core), its KV cache made where RoPE has run (without RoPE after the fused
+  projection under SDPA, else after the attention moment), autocast's cached weight copies made as the block's
+  projections first read them, GPT2Block's MLP ending as traced (block_end); then the head's final norm, logits
+  and generate's fp32 copy of them;
 - each decode step the same at one token a sequence, each layer's cache grown by torch.cat (transformers 5.24
   DynamicLayer.update: the grown keys made and the old freed, then the values; a sliding layer makes both before
   it frees either). Past DECODE_BLOCK_PASSES the decode steps are replayed in even strides that end at the last
   step (the cache grows by the stride at each replayed step).
 
 Limitations, stated: a moment's tensors are matched to the previous moment's by size (the traced order interleaves
-births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans); the
-block's output is made beside the MLP's intermediates (the real sum follows the down projection, which runs beside
-their product only: the replay's peak allocated is up to 9 % over the estimate's, DeepSeek-V3-small bf16); beam
-search's cache reordering is not run (verify does not run it either).
+births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans); but
+for GPT2Block's, the block's output is made beside the MLP's intermediates (the real sum follows the down
+projection, which runs beside their product only: the replay's peak allocated is up to 9 % over the estimate's,
+DeepSeek-V3-small bf16); beam search's cache reordering is not run (verify does not run it either).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimator.activations import Tensors, inference_eager_core, inference_working_set, layer_kinds
+from memplan.estimator.activations import (Tensors, held_intermediates, inference_eager_core, inference_working_set,
+                                           kv_widths, layer_kinds)
 from memplan.estimator.families import family
-from memplan.estimator.inference import (dequantised_copy, kv_widths, layer_windows, serving_autocast,
-                                         served_tensors, serving_widths)
+from memplan.estimator.inference import (dequantised_copy, layer_windows, serving_autocast, served_tensors,
+                                         serving_widths)
 from memplan.estimator.parallel import tied_head
 from memplan.estimator.rules import FP32, HALF, WEIGHT_FORMATS
 from memplan.estimator.states import LINEAR_CATEGORIES
@@ -46,7 +48,7 @@ DECODE_BLOCK_PASSES = 1024
 MIN_DECODE_STEPS = 16
 INT64 = 8  # token ids
 # the moments whose projections read weights: autocast casts a block's as the first of them starts
-CAST_BEFORE = ("rotary", "scores", "attention", "mlp")
+CAST_BEFORE = ("projection", "rotary", "scores", "attention", "mlp")
 # the weights autocast casts as the attention reads them; the rest of a block's (MLP, experts, router) before its MLP
 ATTENTION_CASTS = ("attention",)
 
@@ -185,7 +187,8 @@ class _Serve:
         pieces = [x for x in local if x[0] == inter]
         if not pieces:
             return local
-        *early, last = pieces
+        # the intermediates the MLP moment made are the last of that size (eager's kept probabilities can match it)
+        *early, last = pieces = pieces[-held_intermediates(spec, family(spec.model_type).gated_up_linears == 1):]
         self.sim.free([key for _, key in early])
         quant = [self.sim.alloc(n) for n in (tokens * spec.intermediate_size, FP32 * tokens)] \
             if self.fmt.store == "int8" else []
@@ -195,9 +198,10 @@ class _Serve:
 
     def kv_moment(self, ws: dict[str, list[Tensors]], context: int) -> tuple[str, bool]:
         """Where a block's cache update runs: (the moment, True: between its frees and its makes; False: after it).
-        The cache takes RoPE's k; without RoPE it follows the attention's projections (the "projection" moment:
-        GPT2Attention's fused c_attn output, then the cache's copies of k and v, then the core; traced, GPT-2 int8
-        serving). MLA's latent cache is updated inside the attention (after its moment, as before). A
+        The cache takes RoPE's k; without RoPE under SDPA it follows the attention's projections (the "projection"
+        moment: GPT2Attention's fused c_attn output, then the cache's copies of k and v, then the core; traced, GPT-2
+        int8 serving); under eager (whose list splits the projections' output at the query heads) and for MLA's
+        latent cache, after the attention moment. A
         StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's transients are
         freed and before the attention's first tensor (eager's scores, else its outputs)."""
         if "projection" in ws:
@@ -237,7 +241,7 @@ class _Serve:
             self.sim.free(list(old))
 
     def kv_bytes(self, tokens: int) -> tuple[int, int]:
-        """A layer's key and value bytes for `tokens` a sequence (inference.kv_widths)."""
+        """A layer's key and value bytes for `tokens` a sequence (activations.kv_widths)."""
         key, value = kv_widths(self.spec, self.kv_b, self.p)
         return key * self.k.sequences * tokens, value * self.k.sequences * tokens
 

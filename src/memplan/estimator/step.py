@@ -58,7 +58,7 @@ class StageCells(NamedTuple):
 
     phases: np.ndarray
     transient: np.ndarray
-    kv_cache: np.ndarray  # the forward's KV cache (training with use_cache on), alive at the loss's forward
+    kv_cache: np.ndarray  # the KV cache no saved tensor is (activations._cache_copies: recorded blocks and the rest)
     weights: np.ndarray
     adapters: np.ndarray  # part of weights
     quant_constants: np.ndarray  # part of weights
@@ -116,8 +116,9 @@ def _activation_sums(sums: np.ndarray, rows: np.ndarray, first: bool, last: bool
     zero = np.zeros_like(out["layer"])
     if not first:
         out["embed"] = zero
-    if not last:
-        out |= {name: zero for name in ("head_saved", "lsm", "loss_forward", "loss_backward")}
+    if not last:  # no loss here: nor a model output holding the KV cache until it
+        out |= {name: zero for name in ("head_saved", "lsm", "loss_forward", "loss_backward", "forward_cache",
+                                        "unrecorded_cache")}
     return out
 
 
@@ -166,7 +167,7 @@ def stage_cells(spec: ModelSpec, bases: list[Workload], stage: int, ms: np.ndarr
     last_bwd = np.where(full, _first_list(sa, first_block), recompute) + sa["layer_backward"] + c_mlp_layer
     base = st["weights"] + st["states"] + g_live + st["comm"] + st["gathered"]
     after_backward = st["weights"] + st["states"] + st["grads"] + st["comm"]
-    kv = n_layers * sa["forward_cache"]  # every layer's KV cache until the loss (activations._cache_copies)
+    kv = recorded * sa["forward_cache"] + (n_layers - recorded) * sa["unrecorded_cache"]  # _cache_copies
     phases = np.stack([
         base + c_all + acts + kv + sa["loss_forward"],
         base + c_start + acts + sa["loss_backward"],
@@ -253,8 +254,13 @@ def breakdown(c: StageCells, idx: np.ndarray) -> dict[str, np.ndarray]:
             [idx == FORWARD_LOSS, idx == BACKWARD_START, idx == BACKWARD_LAST], [c.c_all, c.c_start, c.c_last],
             c.c_bwd)),
         "activations": activations_now(c, idx),
-        "kv_cache": np.where(idx == FORWARD_LOSS, c.kv_cache, 0),
+        "kv_cache": kv_now(c, idx),
     }
+
+
+def kv_now(c: StageCells, idx: np.ndarray) -> np.ndarray:
+    """The forward's KV cache alive at moment `idx`: at the loss's forward only (the output holding it dies then)."""
+    return np.where(idx == FORWARD_LOSS, c.kv_cache, 0)
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -298,7 +304,7 @@ def evaluate(spec: ModelSpec, gpu: GPUProfile, bases: list[Workload], mbs: list[
         sel = (pick_last if si == len(cells) - 1 and pp > 1 else ~pick_last) & (moment < OPTIMIZER_STEP)
         act_segs[sel] = activation_segments(stack, stages[si], pp, c, moment, sel)
     churn = chosen(lambda c: activations_now(c, moment) + np.take_along_axis(c.transient, moment[None], 0)[0]
-                   + np.where(moment == FORWARD_LOSS, c.kv_cache, 0))
+                   + kv_now(c, moment))
     mt = meters(gpu, "train", np.maximum(peaks[0], peaks[-1]), chosen(lambda c: c.persistent), act_segs, churn)
     managed = chosen(lambda c: c.managed)  # CUDA managed memory: on the device, outside the allocator
     modes = mt._replace(device_used=mt.device_used + managed,

@@ -436,7 +436,7 @@ class _Step:
         layer_list = block.saved is block.am.layer  # the sequence's markers name the layer list's tensors
         if not block.recorded:
             casts = self.casts(block.groups)
-            self.kv += self.tensors(block.am.forward_cache)
+            self.kv += self.tensors(block.am.unrecorded_cache)
             self.sim.free(self.tensors(block.am.layer) + casts)  # nothing requires a gradient yet
             return []
         if full:  # a traced model's sequence is the no-grad forward itself (traced under checkpointing)
@@ -462,7 +462,7 @@ class _Step:
         casts = self.casts([g for g in block.groups if g not in delayed])
         before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
         if block.am.forward_cache:  # the cache update, after RoPE and before repeat_kv's copies (the core's first)
-            at = next(k for k, t in enumerate(block.saved) if is_core(t))
+            at = next((k for k, t in enumerate(block.saved) if is_core(t)), len(block.saved))
             made = before.get(at, lambda: None)
             before[at] = lambda: (made(), self.kv.extend(self.tensors(block.am.forward_cache)))
         # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
