@@ -352,6 +352,10 @@ def activation_segments(stack: A.Stack, stage: int, pp: int, c: StageCells, mome
     for moment_i, name in MOMENT_LIST.items():  # every stage runs its layers' backward, the last one the loss
         if last or moment_i in LAYER_BACKWARD:
             mult[mom == moment_i, A.LIST[name]] = 1
+    # the current micro batch's KV cache at the loss's forward (stage_cells' kv): its recorded blocks' and the rest's
+    recorded = np.minimum(sets.sum(axis=0), c.n_layers)
+    mult[:, A.LIST["forward_cache"]] = np.where(last & (mom == FORWARD_LOSS), recorded, 0)
+    mult[:, A.LIST["unrecorded_cache"]] = np.where(last & (mom == FORWARD_LOSS), c.n_layers - recorded, 0)
     return segments(stack.nbytes[r, k], stack.count[r, k] * np.einsum("utf,uf->ut", stack.member[r, k], mult))[
         inv.reshape(-1)]
 
