@@ -17,10 +17,10 @@
   step (the cache grows by the stride at each replayed step).
 
 Limitations, stated: a moment's tensors are matched to the previous moment's by size (the traced order interleaves
-births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans); but
-for GPT2Block's, the block's output is made beside the MLP's intermediates (the real sum follows the down
-projection, which runs beside their product only: the replay's peak allocated is up to 9 % over the estimate's,
-DeepSeek-V3-small bf16); beam search's cache reordering is not run (verify does not run it either).
+births and deaths inside a moment: the q, k and v projections' input casts, the masks' intermediate booleans);
+outside GPT2Block (block_end) the block's output is made beside the MLP's intermediates (the real sum follows the
+down projection, which runs beside their product only: the replay's peak allocated is up to 9 % over the
+estimate's, DeepSeek-V3-small bf16); beam search's cache reordering is not run (verify does not run it either).
 """
 
 from __future__ import annotations
@@ -201,9 +201,9 @@ class _Serve:
         The cache takes RoPE's k; without RoPE under SDPA it follows the attention's projections (the "projection"
         moment: GPT2Attention's fused c_attn output, then the cache's copies of k and v, then the core; traced, GPT-2
         int8 serving); under eager (whose list splits the projections' output at the query heads) and for MLA's
-        latent cache, after the attention moment. A
-        StaticCache's prefill zeros its whole length in update (lazy_initialization), after RoPE's transients are
-        freed and before the attention's first tensor (eager's scores, else its outputs)."""
+        latent cache, after the attention moment. A StaticCache's prefill zeros its whole length in update
+        (lazy_initialization), after RoPE's transients are freed and before the attention's first tensor (eager's
+        scores, else its outputs)."""
         if "projection" in ws:
             return "projection", False
         if "rotary" not in ws:

@@ -324,7 +324,7 @@ class _Step:
         if self.reads < 2 or self.shared is None or not self.groups[self.shared].trainable:
             self.shared = None
         self.part: int | None = None  # the matrix's gradient summed so far, waiting in autograd's input buffer
-        self.kv: list[int] = []  # the forward's KV cache (ActivationModel.forward_cache), freed after the loss
+        self.kv: list[int] = []  # the forward's KV cache (forward_cache, unrecorded_cache), freed after the loss
         self.parts = 0
         # full checkpointing's first forward of each block, by its layer kind (activations.layer_kinds)
         kinds = layer_kinds(k.spec) or (None,) * len(self.blocks)
