@@ -372,6 +372,14 @@ def test_served_weights_are_the_tensors_bitsandbytes_makes(saved_tiny, fam, prec
             assert real == sorted(int(b) for b, _ in served_tensors(WEIGHT_FORMATS[precision], spec, g)), n
             checked += 1
     assert checked == sum(g.count for g in spec.params if g.weight_of and quantised(spec, g))
+    # what bitsandbytes leaves (embeddings, norms, the quantised layers' biases, the head) stays half, one tensor each
+    by_shape = {(g.module, g.shape): g for g in spec.params}
+    left = [(n, t) for n, t in model.named_parameters() if not (n.endswith(".weight") and type(
+        model.get_submodule(n.rsplit(".", 1)[0])).__name__ in ("Linear4bit", "Linear8bitLt"))]
+    for n, t in left:
+        g = by_shape[module_path(n.rsplit(".", 1)[0]), tuple(t.shape)].model_copy(update={"count": 1})
+        assert served_tensors(WEIGHT_FORMATS[precision], spec, g) == [(t.untyped_storage().nbytes(), 1)], n
+    assert len(left) + checked == sum(g.count for g in spec.params)
 
 
 @pytest.mark.parametrize("quant", ["nf4-dq", "int8", "nf4-dq-bf16-storage"])
