@@ -298,9 +298,10 @@ def test_each_layer_replays_its_own_tensors(name, precision, attn):
     assert held == {i for i, g in enumerate(groups) if "*" in g.module}
     # serving too: each block's weights, and its MLP moment (a dense layer's, a routed one's, the worse without one)
     from memplan.estimator.activations import inference_working_set, mlp_kinds
-    from memplan.estimator.serving_timeline import _block_groups
+    from memplan.estimator.timeline import block_groups  # what the serving replay loads each block's weights by
 
-    assert all(not g.layers or b in g.layers for b, block in enumerate(_block_groups(spec)) for g, _ in block)
+    assert all(not spec.params[i].layers or b in spec.params[i].layers
+               for b, block in enumerate(block_groups(spec, spec.params)) for i, _ in block)
     # a kind's MLP moment is its MLP kind's: as many distinct ones as the layers have MLP kinds
     sets = {k: total(inference_working_set(spec, 2, 512, 2, 2, attn, False, kind=k)["mlp"]) for k in layer_kinds(spec)}
     assert len(set(sets.values())) == len({mlp_kinds(spec, k) for k in layer_kinds(spec)})

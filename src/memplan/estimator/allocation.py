@@ -55,6 +55,11 @@ def segments(nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
     return _packed(*(part.sum(axis=-1) for part in _pools(n, np.asarray(count, dtype=np.int64))))
 
 
+def allocated_of(tensors: list[tuple[float, int]]) -> int:
+    """Allocated bytes of a list of (bytes, count) tensors, each rounded as the allocator rounds it."""
+    return sum(round_block(nbytes) * int(count) for nbytes, count in tensors)
+
+
 def segments_of(tensors: list[tuple[float, int]]) -> int:
     """`segments` of one list of (bytes, count) tensors (the same pools, summed in Python: the lists are
     short and built once per cached stage)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memplan.estimator.activations import (Tensors, inference_working_set, is_core, kv_widths,
                                            rotary_in_stream_dtype, total)
-from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.allocation import allocated_of, segments_of
 from memplan.estimator.breakdown import Peak
 from memplan.estimator.families import family
 from memplan.estimator.finetune import quantised, stored_tensors
@@ -138,8 +138,7 @@ def inference_peak(spec: ModelSpec, gpu: GPUProfile, w: Workload) -> Peak:
     fmt = WEIGHT_FORMATS[w.precision]
     autocast = serving_autocast(w.precision)
     p, r, kv_b = serving_widths(spec, w.precision)
-    weights = sum(round_block(nbytes) * n for g in spec.params for nbytes, n in served_tensors(fmt, spec, g)) + \
-        round_block(spec.buffer_bytes)
+    weights = allocated_of([t for g in spec.params for t in served_tensors(fmt, spec, g)] + [(spec.buffer_bytes, 1)])
     cache, cache_head, cache_mlp = _serving_casts(spec) if autocast else (0, 0, 0)
     seqs = w.micro_batch * w.beams
     generate = w.max_new_tokens > 0
@@ -207,7 +206,7 @@ def _speed(spec: ModelSpec, gpu: GPUProfile, w: Workload, working: int, kv_bytes
 
 
 def _rounded_total(ts: list[Tensors]) -> int:
-    return sum(round_block(nbytes) * count for nbytes, count in _arithmetic_items(ts))
+    return allocated_of(_arithmetic_items(ts))
 
 
 def _arithmetic_items(ts: list[Tensors]) -> list[tuple[float, int]]:

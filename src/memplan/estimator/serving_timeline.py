@@ -103,13 +103,14 @@ class _Serve:
         self.autocast = serving_autocast(k.precision)
         self.p, self.r, self.kv_b = serving_widths(k.spec, k.precision)
         self.generate = k.new_tokens > 0
-        self.blocks = _block_groups(k.spec)
+        self.per_block = block_groups(k.spec, k.spec.params)  # each block's (group index, tensors)
+        self.blocks = [[(k.spec.params[i], n) for i, n in blk] for blk in self.per_block]
         self.windows = layer_windows(k.spec) if self.generate else ()
         self.cache: list[tuple[int, int]] = []  # each cached layer's (key, value) storages
         self.casts_made = False
 
     def run(self) -> None:
-        for g, n in module_order(self.spec.params, self.blocks):
+        for g, n in module_order(self.spec.params, self.per_block):
             pieces = served_tensors(self.fmt, self.spec, g)  # a quantised weight, then its scales (load order)
             for _ in range(n):
                 for nbytes, _ in pieces:
@@ -278,8 +279,3 @@ class _Serve:
         if not (self.autocast and tied_head(self.spec)):
             return []
         return [self.sim.alloc(self.spec.vocab_size * self.spec.hidden_size * HALF)]
-
-
-def _block_groups(spec: ModelSpec) -> list[list[tuple[ParamGroup, int]]]:
-    """Each block's parameter groups and how many tensors of each it has (encoder blocks, then decoder blocks)."""
-    return [[(spec.params[i], n) for i, n in blk] for blk in block_groups(spec, spec.params)]

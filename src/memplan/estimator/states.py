@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memplan.estimator.allocation import round_block, segments_of
+from memplan.estimator.allocation import allocated_of, round_block, segments_of
 from memplan.estimator.families import embedding_layernorm
 from memplan.estimator.finetune import (
     Tuning, cast_kept, element_bytes, records_frozen_blocks, stored_tensors, tied_embedding, trained_blocks,
@@ -194,7 +194,7 @@ def _replica_states(k: StatesKey, groups: tuple[ParamGroup, ...], enc: int, dec:
     spec = k.spec
     tied, tied_cast = _tied(spec, k, groups, prec)
     # per group: its data tensor's bytes and the rest's (quantisation constants), as the allocator rounds them
-    stored = [[round_block(b) * c for b, c in stored_tensors(g, prec.param)] for g in groups]
+    stored = [[allocated_of([t]) for t in stored_tensors(g, prec.param)] for g in groups]
     weights = sum(map(sum, stored))
     adapters = sum(sum(b) for g, b in zip(groups, stored) if g.trainable and k.tuning.adapters)
     constants = sum(sum(b[1:]) for b in stored)
@@ -280,7 +280,7 @@ def _step_temporaries(trainable, prec: Precision, rule) -> int:
 
 def rounded(groups, bytes_of) -> int:
     """Allocated bytes of one tensor per parameter, each rounded as the allocator rounds it."""
-    return sum(round_block(bytes_of(g)) * g.count for g in groups)
+    return allocated_of([(bytes_of(g), g.count) for g in groups])
 
 
 def _persistent_tensors(k: StatesKey, groups) -> list[tuple[float, int]]:

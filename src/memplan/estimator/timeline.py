@@ -242,15 +242,14 @@ def holders(g: ParamGroup, stack: range, blocks: range | list[int]) -> list[int]
     return held
 
 
-def module_order(groups: Sequence[ParamGroup],
-                 blocks: list[list[tuple[ParamGroup, int]]]) -> list[tuple[ParamGroup, int]]:
+def module_order(groups: Sequence[ParamGroup], blocks: list[list[tuple[int, int]]]) -> list[tuple[ParamGroup, int]]:
     """The parameter tensors in model.parameters() order, as (group, tensors): the embeddings, each block's (`blocks`:
-    its groups and tensors of each), then the rest (final norms, poolers) and the head last. The serving replay's
-    weights are loaded in it, the optimizer makes its states in it."""
+    block_groups' index into `groups` and tensors of each), then the rest (final norms, poolers) and the head last.
+    The serving replay's weights are loaded in it, the optimizer makes its states in it."""
     outside = [g for g in groups if "*" not in g.module]
     first = [(g, g.count) for g in outside if g.category == "embeddings"]
     last = sorted(((g, g.count) for g in outside if g.category != "embeddings"), key=lambda x: x[0].category == "head")
-    return first + [x for b in blocks for x in b] + last
+    return first + [(groups[i], n) for b in blocks for i, n in b] + last
 
 
 def spread(count: int, blocks: range | list[int]) -> dict[int, int]:
@@ -462,9 +461,9 @@ class _Step:
         casts = self.casts([g for g in block.groups if g not in delayed])
         before = {k: (lambda gs=gs: casts.extend(self.casts(gs))) for k, gs in later.items()}
         if block.am.forward_cache:  # the cache update, after RoPE and before repeat_kv's copies (the core's first)
-            at = next((k for k, t in enumerate(block.saved) if is_core(t)), len(block.saved))
-            made = before.get(at, lambda: None)
-            before[at] = lambda: (made(), self.kv.extend(self.tensors(block.am.forward_cache)))
+            core = next((k for k, t in enumerate(block.saved) if is_core(t)), len(block.saved))
+            made = before.get(core, lambda: None)
+            before[core] = lambda: (made(), self.kv.extend(self.tensors(block.am.forward_cache)))
         # a traced block's forward is its own traced block's, whose markers name its list, a decoder's too
         marked = layer_list or (self.traced and block.saved is block.am.decoder_layer)
         return casts + _flat(self.ordered("layer_forward", block.saved, marked, block.am, before))
@@ -591,8 +590,7 @@ class _Step:
 
     def trained_in_order(self) -> list[tuple[ParamGroup, int]]:
         """The trained parameter tensors as (group, tensors) in the optimizer's order (module_order)."""
-        blocks = [[(self.groups[i], n) for i, n in b.groups] for b in self.blocks]
-        return [(g, n) for g, n in module_order(self.groups, blocks) if g.trainable]
+        return [(g, n) for g, n in module_order(self.groups, [b.groups for b in self.blocks]) if g.trainable]
 
     def optimizer_step(self, first: bool) -> None:
         rule = self.rule
