@@ -9,6 +9,7 @@ import pytest
 
 import memplan
 from memplan.estimator.meters import gpu_workspace
+from memplan.estimator.allocator import simulate
 from memplan.estimator.timeline import ReplayKey, replay, replayable
 
 CASES = [("bert-large", dict(micro_batch=4, seq_len=512, precision="fp16", attn="eager", optim="adamw_torch")),
@@ -33,7 +34,10 @@ def test_replay_allocates_what_the_estimate_counts(model, kw):
     r = replay(ReplayKey.of(spec, e.workload))
     ws = gpu_workspace(memplan.load_gpu("a100-80g"), "train")
     assert r.peak_allocated + ws == pytest.approx(e.peak_allocated_bytes, rel=0.04)
-    assert r.reserved >= r.peak_allocated and r.reserved_expandable >= r.peak_allocated
+    # each mode's reserved holds its own allocated (the default allocator's counts the blocks it hands out whole,
+    # so its peak may pass the expandable mode's reserved: bert-base freeze by 3 MB)
+    expandable = simulate(ReplayKey.of(spec, e.workload).events(), True)
+    assert r.reserved >= r.peak_allocated and r.reserved_expandable >= expandable.peak_allocated
     assert e.reserved_from == "replay"
     sim = {m: v["peak_reserved_bytes"] for m, v in e.by_allocator.items()}
     assert sim == {"default": max(r.reserved + ws, e.peak_allocated_bytes),
@@ -326,6 +330,29 @@ def test_each_layer_against_the_simulation_of_its_trace(name, precision, attn, c
     e = memplan.estimate(str(RESULTS.parents[2] / row["case"]["model"]), "a100-80g", **work)
     sim = next(m for m in row["meters"] if m["meter"] == "peak_reserved")
     assert e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.03), f"was {was} %"
+
+
+# the accuracy suite's rows the layer's backward order decides: (model, precision, attention, was, then with the MLP's
+# gradients among its transients but each made at once in fp32)
+BACKWARD_ORDER = [("llama4-small", "bf16-pure", "eager", 8.12, -1.87), ("roberta-base", "fp16", "eager", -0.48, -9.30),
+                  ("gpt_oss-small", "bf16", "eager", 1.28, -1.70)]
+
+
+@pytest.mark.parametrize("name,precision,attn,was,fp32_at_once", BACKWARD_ORDER, ids=[c[0] for c in BACKWARD_ORDER])
+def test_the_mlp_gradients_among_its_backward_and_at_autograd_s_width(name, precision, attn, was, fp32_at_once):
+    """A layer's backward runs the MLP's before the attention's, and its weight gradients are made among the MLP's
+    transients: made after them all, Llama 4 small's experts' gradients took segment fronts its trace finds taken
+    (+8.12 %). Under autocast a cast weight's gradient is the matmul's half one, made while the transients live, then
+    AccumulateGrad's fp32 copy once they die: an fp32 gradient made at once beside them moved RoBERTa-base fp16 eager
+    to -9.3 %. Within 5 % of verify's allocator simulation of each traced step (accuracy.json)."""
+    row = next(r for r in json.loads((RESULTS / "accuracy.json").read_text())["results"]
+               if Path(r["case"]["model"]).stem == name and r["case"].get("task", "train") == "train"
+               and (r["case"]["precision"], r["case"]["attn"], r["case"]["grad_ckpt"]) == (precision, attn, "none"))
+    work = {k: v for k, v in row["case"].items() if k not in ("model", "fast", "device")}
+    model = row["case"]["model"]
+    e = memplan.estimate(str(RESULTS.parents[2] / model) if model.endswith(".json") else model, "a100-80g", **work)
+    sim = next(m for m in row["meters"] if m["meter"] == "peak_reserved")
+    assert e.peak_reserved_bytes == pytest.approx(sim["measured_bytes"], rel=0.05), f"was {was} %"
 
 
 def test_the_third_lease_default_allocator_runs(benchmark_module):

@@ -109,6 +109,10 @@ class ActivationModel:
     # the loss's end (_cache_copies): a block autograd records, and one it does not (freeze)
     forward_cache: list[Tensors] = field(default_factory=list)
     unrecorded_cache: list[Tensors] = field(default_factory=list)
+    # an analytic layer's backward in its two phases, the MLP's then the attention's, for the replay (layer_backward is
+    # the larger): the MLP's transients (_mlp_backward) and eager attention's (_attention_backward; [] under SDPA)
+    mlp_backward: list[Tensors] = field(default_factory=list)
+    attention_backward: list[Tensors] = field(default_factory=list)
 
 
 def total(ts: list[Tensors]) -> float:
@@ -697,25 +701,34 @@ def _tiled_mlp_backward(spec: ModelSpec, T: int, prec: Precision) -> list[Tensor
     return out
 
 
-def _layer_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
-                    tiled_mlp: bool = False, kind: LayerKind | None = None) -> list[Tensors]:
-    """Extra live tensors in one layer's backward: the gradient of the largest intermediate and the
-    gradient it produces (eager attention: dP and dS over the s x s scores, GPT-OSS's with the sink column; else
-    the MLP's dA, dB, or the tiled MLP's recomputed chunk). A MoE model's: a routed layer's experts' or a dense
-    layer's MLP's, by `kind`; the mean layer takes the larger (the peak is the worst layer's: DeepSeek-V3-MoE small's
-    dense layer 0 has three times its routed layer's)."""
+def _larger(mlp: list[Tensors], att: list[Tensors]) -> list[Tensors]:
+    """One layer's backward peak: the larger of its MLP's transients (_mlp_backward) and its eager attention's
+    (_attention_backward)."""
+    return att if total(att) > total(mlp) else mlp
+
+
+def _mlp_backward(spec: ModelSpec, b: int, s: int, prec: Precision, tiled_mlp: bool = False,
+                  kind: LayerKind | None = None) -> list[Tensors]:
+    """The MLP's backward transients: the gradient of its largest intermediate and the gradient it produces (dA,
+    dB), or the tiled MLP's recomputed chunk. A MoE model's: a routed layer's experts' or a dense layer's MLP's, by
+    `kind`; the mean layer takes the larger (the peak is the worst layer's: DeepSeek-V3-MoE small's dense layer 0
+    has three times its routed layer's)."""
     T, p = b * s, prec.act
     shapes = {True: (routed_rows(spec, T), spec.expert_width), False: (T, spec.intermediate_size)}
     mlp = max(([Tensors("mlp grad buffers", p * shapes[x][1] * shapes[x][0], 2)] for x in mlp_kinds(spec, kind)),
               key=total)
     if tiled_mlp and not spec.is_moe:
         mlp = _tiled_mlp_backward(spec, T, prec)
-    if attn == "eager":
-        scores = b * spec.num_heads * s * (s + sink_columns(spec))
-        sm = _softmax_bytes(spec, prec)
-        att = [Tensors("attention grad buffers", sm * scores, 2)]
-        return att if total(att) > total(mlp) else mlp
     return mlp
+
+
+def _attention_backward(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str) -> list[Tensors]:
+    """Eager attention's backward transients: dP and dS over the s x s scores (GPT-OSS's with the sink column);
+    none under SDPA's kernels, whose backward works in tiles."""
+    if attn != "eager":
+        return []
+    scores = b * spec.num_heads * s * (s + sink_columns(spec))
+    return [Tensors("attention grad buffers", _softmax_bytes(spec, prec) * scores, 2)]
 
 
 def _embeddings(spec: ModelSpec, b: int, s: int, prec: Precision) -> list[Tensors]:
@@ -886,6 +899,19 @@ def shard(ts: list[Tensors], tp: int, sp: bool) -> list[Tensors]:
     return [t if (t.rep and not sp) else replace(t, nbytes=t.nbytes / tp) for t in ts]
 
 
+def _add_lora(spec: ModelSpec, b: int, s: int, prec: Precision, lora: LoraActs, kind: LayerKind | None,
+              layer: list[Tensors], dec: list[Tensors], saved_head: list[Tensors]) -> None:
+    """The adapters' saved tensors added to the layer, decoder layer and head lists (lora_terms)."""
+    T = b * s
+    layer += lora_terms(lora.layer, T, prec, lora, spec.num_layers)
+    # the merged weights are the MoE layers' (the mean layer holds their share)
+    merged = lora.merged_experts * (1 if kind is None else spec.num_layers / spec.moe_layers if kind.moe else 0)
+    if merged:
+        layer.append(Tensors("lora: merged expert weights (W + B A)", merged))
+    dec += lora_terms(lora.decoder_layer, T, prec, lora, spec.num_decoder_layers) if dec else []
+    saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora, 1)
+
+
 def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn: str,
                          selective: bool = False, kv_cache: bool = True, tp: int = 1,
                          sp: bool = False, fused_loss: bool = False, tiled_mlp: bool = False,
@@ -912,15 +938,11 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
     saved_head, loss_fwd, loss_bwd = _head(spec, b, s, prec, fused_loss)
     saved_head = _tuned(saved_head, lora)
     if lora is not None:
-        layer += lora_terms(lora.layer, T, prec, lora, spec.num_layers)
-        # the merged weights are the MoE layers' (the mean layer holds their share)
-        merged = lora.merged_experts * (1 if kind is None else spec.num_layers / spec.moe_layers if kind.moe else 0)
-        if merged:
-            layer.append(Tensors("lora: merged expert weights (W + B A)", merged))
-        dec += lora_terms(lora.decoder_layer, T, prec, lora, spec.num_decoder_layers) if dec else []
-        saved_head += lora_terms(lora.head, head_tokens(spec, b, T), prec, lora, 1)
+        _add_lora(spec, b, s, prec, lora, kind, layer, dec, saved_head)
     kept = _kept_at(block, layer)
     masks = checkpoint_masks(spec, b, s, prec, attn)
+    mlp_bwd, att_bwd = _mlp_backward(spec, b, s, prec, tiled_mlp, kind), _attention_backward(spec, b, s, prec, attn)
+    dequant = [Tensors("quantised weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []
     return ActivationModel(
         layer=shard(layer, tp, sp),
         decoder_layer=shard(dec, tp, sp),
@@ -932,8 +954,7 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         head_saved=shard(saved_head, tp, sp),
         layer_input=shard([Tensors("checkpointed layer input", prec.residual * spec.hidden_size * T, rep=True)],
                           tp, sp),
-        layer_backward=shard(_layer_backward(spec, b, s, prec, attn, tiled_mlp, kind) + (
-            [Tensors("quantised weight dequantised (transient)", lora.dequant)] if lora and lora.dequant else []), tp, sp),
+        layer_backward=shard(_larger(mlp_bwd, att_bwd) + dequant, tp, sp),
         layer_core=shard([t for t in whole if is_core(t)], tp, sp),
         loss_forward=shard(loss_fwd, tp, sp),
         loss_backward=shard(loss_bwd, tp, sp),
@@ -945,6 +966,8 @@ def training_activations(spec: ModelSpec, b: int, s: int, prec: Precision, attn:
         forward_masks=shard([] if selective or not kv_cache else masks, tp, sp),
         forward_cache=shard(_cache_copies(spec, b, s, prec, attn, selective, kv_cache), tp, sp),
         unrecorded_cache=shard(_cache_copies(spec, b, s, prec, attn, selective, kv_cache, recorded=False), tp, sp),
+        mlp_backward=shard(mlp_bwd, tp, sp),
+        attention_backward=shard(att_bwd, tp, sp),
     )
 
 

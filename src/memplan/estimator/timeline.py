@@ -353,13 +353,10 @@ class _Step:
         """Autocast's half copies of the fp32 linear weights among `groups` (group index, tensors): those it
         keeps (a weight that requires a gradient, or a recorded block's, finetune.cast_kept), or with
         kept=False the others, each freed as its matmul ends."""
-        if not self.prec.autocast:
-            return []
         keys = []
         for i, n in groups:
             g = self.groups[i]
-            if (g.category in LINEAR_CATEGORIES and element_bytes(g, self.prec.param) == FP32
-                    and cast_kept(self.spec, self.k.tuning, g) == kept):
+            if self.autocast_cast(g) and cast_kept(self.spec, self.k.tuning, g) == kept:
                 # the expert loop casts each expert's slice of a fused weight (W[e], a view autocast does not
                 # cache): E copies, saved by their matmuls (activations.expert_loop)
                 pieces = (g.shape[0] if g.category == "experts" and len(g.shape) == 3
@@ -369,6 +366,10 @@ class _Step:
             self.sim.free(keys)
             return []
         return keys
+
+    def autocast_cast(self, g: ParamGroup) -> bool:
+        """Autocast runs g's matmuls on a half copy of it: an fp32 linear's weight (or bias) under autocast."""
+        return self.prec.autocast and g.category in LINEAR_CATEGORIES and element_bytes(g, self.prec.param) == FP32
 
     def tied_cast(self) -> list[int]:
         """The tied head's matmul casts the fp32 embedding matrix (states.autocast_copies counts it too)."""
@@ -384,6 +385,32 @@ class _Step:
         while g.trainable and len(have) < g.count and n > 0:
             have.append(self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
             n -= 1
+
+    def weight_grads(self, groups: list[tuple[int, int]], between: Callable[[], None] | None = None) -> None:
+        """The gradients of `groups` (group index, tensors) as a layer's backward makes them. A weight autocast casts
+        gets its matmul's half gradient first, then AccumulateGrad's fp32 copy becomes .grad and the half one dies;
+        with `between` (the frees of the phase's transients) every half one is made, then `between` runs, then the
+        copies (traced, roberta-base fp16 eager: output.dense's 4.5 MiB mm made beside the MLP's 12 MiB gelu_backward,
+        its 9 MiB _to_copy after that dies). Any other gradient is the matmul's own, made where it runs."""
+        halves: list[tuple[int, int]] = []
+        for i, n in groups:
+            g = self.groups[i]
+            if not (g.trainable and self.autocast_cast(g)):
+                self.grad(i, n)
+                continue
+            for _ in range(min(n, g.count - len(self.grads.get(i, [])))):
+                halves.append((i, self.sim.alloc(g.numel * HALF)))
+                if between is None:
+                    self.copy_grad(*halves.pop())
+        if between is not None:
+            between()
+        for i, half in halves:
+            self.copy_grad(i, half)
+
+    def copy_grad(self, i: int, half: int) -> None:
+        """AccumulateGrad's fp32 copy of a half gradient of group i (its next tensor's .grad); the half one dies."""
+        self.grad(i, 1)
+        self.sim.free([half])
 
     def run(self) -> None:
         for g in self.groups:
@@ -578,15 +605,35 @@ class _Step:
         # the casts first (GPT-OSS-small full recompute -22.5 -> -13.5 %, benchmarks/accuracy/results/accuracy.md)
         rebuilt = _flat(self.ordered("layer_core", [] if self.traced else recomputed, am=block.am))
         again = (self.casts(block.groups) if full else []) + rebuilt
-        # the block's transients peak before its weight gradients exist (the estimate's backward-layer moment;
-        # traced: bert-base under freeze peaks there with the head's gradients only)
-        if self.traced:
-            self.ordered("layer_backward", [], am=block.am)
-        else:
-            self.sim.free(self.tensors(block.am.layer_backward))
-        for i, n in block.groups:
-            self.grad(i, n)
+        am = block.am
+        if self.traced:  # its sequence holds the matmuls' half gradients of cast weights (transients to the trace)
+            self.ordered("layer_backward", [], am=am)
+            for i, n in block.groups:
+                self.grad(i, n)
+        elif block.saved is am.layer or block.saved is am.decoder_layer:
+            # autograd runs the MLP's backward before the attention's: the MLP's weight gradients among its
+            # transients, then eager attention's transients, then the attention's and the norms' gradients
+            mlp, rest = self.mlp_side(block.groups)
+            transients = self.tensors(am.mlp_backward)
+            self.weight_grads(mlp, lambda: self.sim.free(transients))
+            self.sim.free(self.tensors(am.attention_backward))
+            self.weight_grads(rest)
+        else:  # a frozen block autograd records: its backward's transients peak before any gradient
+            self.sim.free(self.tensors(am.layer_backward))
+            self.weight_grads(block.groups)
         self.sim.free(again + held)
+
+    def mlp_side(self, groups: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """A block's groups as the MLP's (MLP_SIDE categories, and the LoRA adapters that follow them:
+        finetune._with_adapters puts a linear's adapters right after it) and the rest."""
+        mlp: list[tuple[int, int]] = []
+        rest: list[tuple[int, int]] = []
+        side = rest
+        for i, n in groups:
+            if self.groups[i].category != "adapter":
+                side = mlp if self.groups[i].category in MLP_SIDE else rest
+            side.append((i, n))
+        return mlp, rest
 
     def trained_in_order(self) -> list[tuple[ParamGroup, int]]:
         """The trained parameter tensors as (group, tensors) in the optimizer's order (module_order)."""
