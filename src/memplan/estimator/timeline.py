@@ -32,7 +32,8 @@ from memplan.inputs.workload import Workload
 
 STEPS = 2
 MICRO_BATCHES = 2
-# the parameter categories of a block's MLP: their weights' autocast casts are made as the MLP starts
+# the parameter categories of a block's MLP: their weights' autocast casts are made as the MLP starts, their
+# gradients in the MLP's backward (_Step.mlp_side)
 MLP_SIDE = ("mlp", "experts", "router")
 
 
@@ -359,8 +360,7 @@ class _Step:
             if self.autocast_cast(g) and cast_kept(self.spec, self.k.tuning, g) == kept:
                 # the expert loop casts each expert's slice of a fused weight (W[e], a view autocast does not
                 # cache): E copies, saved by their matmuls (activations.expert_loop)
-                pieces = (g.shape[0] if g.category == "experts" and len(g.shape) == 3
-                          and expert_loop(self.spec, self.prec) else 1)
+                pieces = g.shape[0] if self.looped(g) else 1
                 keys += [self.sim.alloc(g.numel * HALF / pieces) for _ in range(n * pieces)]
         if not kept:
             self.sim.free(keys)
@@ -387,18 +387,24 @@ class _Step:
             n -= 1
 
     def weight_grads(self, groups: list[tuple[int, int]], between: Callable[[], None] | None = None) -> None:
-        """The gradients of `groups` (group index, tensors) as a layer's backward makes them. A weight autocast casts
-        gets its matmul's half gradient first, then AccumulateGrad's fp32 copy becomes .grad and the half one dies;
-        with `between` (the frees of the phase's transients) every half one is made, then `between` runs, then the
-        copies (traced, roberta-base fp16 eager: output.dense's 4.5 MiB mm made beside the MLP's 12 MiB gelu_backward,
-        its 9 MiB _to_copy after that dies). Any other gradient is the matmul's own, made where it runs."""
+        """The gradients of `groups` (group index, tensors) as a layer's backward makes them, each accumulated
+        (`accumulate`). A weight autocast casts gets its matmul's half gradient, then AccumulateGrad's fp32 copy,
+        the half one freed; with `between` (the frees of the phase's transients) every half one is made, then
+        `between` runs, then the copies (traced, roberta-base fp16 eager: intermediate.dense's 4.5 MiB mm beside the
+        MLP's 12 MiB gelu_backward, its 9 MiB _to_copy once that dies; output.dense's, made earlier beside the
+        12 MiB gradient of its input, are made here with it). The fused expert weights the expert loop slices are
+        summed over the experts together (`looped_grads`); any other gradient is the matmul's own, made where it
+        runs."""
         halves: list[tuple[int, int]] = []
+        looped = [(i, n) for i, n in groups if self.groups[i].trainable and self.looped(self.groups[i])]
+        for i, total in self.looped_grads(looped):
+            self.accumulate(i, total)
         for i, n in groups:
             g = self.groups[i]
-            if not (g.trainable and self.autocast_cast(g)):
-                self.grad(i, n)
-                continue
-            for _ in range(min(n, g.count - len(self.grads.get(i, [])))):
+            for _ in range(n if g.trainable and (i, n) not in looped else 0):
+                if not self.autocast_cast(g):
+                    self.accumulate(i, self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
+                    continue
                 halves.append((i, self.sim.alloc(g.numel * HALF)))
                 if between is None:
                     self.copy_grad(*halves.pop())
@@ -408,9 +414,53 @@ class _Step:
             self.copy_grad(i, half)
 
     def copy_grad(self, i: int, half: int) -> None:
-        """AccumulateGrad's fp32 copy of a half gradient of group i (its next tensor's .grad); the half one dies."""
-        self.grad(i, 1)
+        """AccumulateGrad's fp32 copy of a half gradient of group i (accumulated); the half one dies."""
+        g = self.groups[i]
+        copy = self.sim.alloc(g.numel * element_bytes(g, self.prec.grad))
         self.sim.free([half])
+        self.accumulate(i, copy)
+
+    def accumulate(self, i: int, key: int) -> None:
+        """A new gradient of one of group i's tensors: it becomes that tensor's .grad where none exists yet
+        (AccumulateGrad keeps it), else it is added into .grad in place and freed (a later micro batch; a later
+        step under zero_grad 'zeros')."""
+        have = self.grads.setdefault(i, [])
+        if len(have) < self.groups[i].count:
+            have.append(key)
+        else:
+            self.sim.free([key])
+
+    def looped(self, g: ParamGroup) -> bool:
+        """A fused expert weight the expert loop runs slice by slice (activations.expert_loop)."""
+        return g.category == "experts" and len(g.shape) == 3 and expert_loop(self.spec, self.prec)
+
+    def looped_grads(self, looped: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The gradients of fused expert weights the expert loop slices (group index, tensors: one MoE layer's),
+        summed over the experts; returns (group index, the sum's key) of each. The loop runs expert by expert, each
+        expert's weights in backward's order (down_proj's, then the fused gate_up_proj's): each
+        slice W[e] gets its matmul's gradient (under autocast the half one, then its fp32 copy), select_backward
+        places it in a zero tensor of the whole weight, and autograd's input buffer adds that to the weight's
+        running sum out of place; the last sums are the gradients (traced, gpt-oss-small bf16: per expert mm
+        0.25 MiB, _to_copy 0.5 MiB, select_backward 4 MiB, add 4 MiB for down_proj, then the same at 8 MiB for
+        gate_up_proj). Every expert is taken to have rows (at the step's batches they do)."""
+        # down_proj first: the smaller where gate and up are fused (its layout, in x out or out x in, differs by family)
+        weights = sorted((i for i, n in looped for _ in range(n)), key=lambda i: self.groups[i].numel)
+        totals: dict[int, int] = {}  # position in `weights` -> its running sum
+        for _ in range(max((self.groups[i].shape[0] for i in weights), default=0)):
+            for k, i in enumerate(weights):
+                g = self.groups[i]
+                experts, width = g.shape[0], element_bytes(g, self.prec.grad)
+                half = [self.sim.alloc(g.numel / experts * HALF)] if self.autocast_cast(g) else []
+                part = self.sim.alloc(g.numel / experts * width)
+                self.sim.free(half)
+                placed = self.sim.alloc(g.numel * width)
+                self.sim.free([part])
+                if k in totals:
+                    summed = self.sim.alloc(g.numel * width)
+                    self.sim.free([totals[k], placed])
+                    placed = summed
+                totals[k] = placed
+        return [(i, totals[k]) for k, i in enumerate(weights)]
 
     def run(self) -> None:
         for g in self.groups:
@@ -567,8 +617,9 @@ class _Step:
         for i, g in trained:
             if i == self.shared:  # the tied matrix's part from the head
                 self.matrix_part()
-            else:
-                self.grad(i, g.count)
+                continue
+            for _ in range(g.count):
+                self.accumulate(i, self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
         self.sim.free(halves if halves else cast + head)
 
     def matrix_part(self) -> None:
@@ -612,7 +663,8 @@ class _Step:
                 self.grad(i, n)
         elif block.saved is am.layer or block.saved is am.decoder_layer:
             # autograd runs the MLP's backward before the attention's: the MLP's weight gradients among its
-            # transients, then eager attention's transients, then the attention's and the norms' gradients
+            # transients, then eager attention's transients, then the attention's and the norms' gradients (QLoRA's
+            # dequantised weight is in layer_backward alone: the replay does not cover QLoRA, `replayable`)
             mlp, rest = self.mlp_side(block.groups)
             transients = self.tensors(am.mlp_backward)
             self.weight_grads(mlp, lambda: self.sim.free(transients))
