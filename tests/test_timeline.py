@@ -360,7 +360,8 @@ def test_every_micro_batch_makes_each_weight_s_gradient(zero_grad):
     """A micro batch after the first (and under zero_grad 'zeros' a later step) still makes each weight's gradient,
     under autocast the half one and its fp32 copy, and adds it into .grad in place: counted by size, BERT's 24 MLP
     weights of 3072 x 768 (9 MiB in fp32: the weights, Adam's two states on the first step, a gradient in each of
-    the replay's micro batches, and nothing else of that size at b2 s128)."""
+    the replay's micro batches, and nothing else of that size at b2 s128), and its word embeddings' dense gradient
+    (embedding_dense_backward), outside the blocks."""
     spec = memplan.resolve_model("bert-base")
     e = memplan.estimate(spec, "a100-80g", micro_batch=2, seq_len=128, precision="fp16", grad_accum=2,
                          zero_grad=zero_grad)
@@ -369,6 +370,8 @@ def test_every_micro_batch_makes_each_weight_s_gradient(zero_grad):
     made = [n for _, n in key.events() if n == 3072 * 768 * 4]
     assert mlp == 24 and key.micro_batches == 2
     assert len(made) == mlp * (1 + 2 + 2 * 2)  # weights, states, gradients in 2 steps x 2 micro batches
+    words = next(g for g in spec.params if g.category == "embeddings" and g.shape[0] == spec.vocab_size)
+    assert sum(n == words.numel * 4 for _, n in key.events()) == 1 + 2 + 2 * 2
 
 
 def test_the_third_lease_default_allocator_runs(benchmark_module):

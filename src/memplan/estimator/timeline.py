@@ -379,12 +379,10 @@ class _Step:
         return [self.sim.alloc(g.numel * HALF)]
 
     def grad(self, i: int, n: int) -> None:
-        """`n` more of group i's gradients, up to its count (AccumulateGrad makes each on first use)."""
+        """`n` of group i's gradients, each its op's own (in the gradients' width), accumulated (`accumulate`)."""
         g = self.groups[i]
-        have = self.grads.setdefault(i, [])
-        while g.trainable and len(have) < g.count and n > 0:
-            have.append(self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
-            n -= 1
+        for _ in range(n if g.trainable else 0):
+            self.accumulate(i, self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
 
     def weight_grads(self, groups: list[tuple[int, int]], between: Callable[[], None] | None = None) -> None:
         """The gradients of `groups` (group index, tensors) as a layer's backward makes them, each accumulated
@@ -403,7 +401,7 @@ class _Step:
             g = self.groups[i]
             for _ in range(n if g.trainable and (i, n) not in looped else 0):
                 if not self.autocast_cast(g):
-                    self.accumulate(i, self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
+                    self.grad(i, 1)
                     continue
                 halves.append((i, self.sim.alloc(g.numel * HALF)))
                 if between is None:
@@ -568,8 +566,9 @@ class _Step:
                 self.matrix_part()
         if self.shared is not None:
             self.matrix_part()
-        for i, g in enumerate(self.groups):
-            self.grad(i, g.count)
+        for i, g in enumerate(self.groups):  # the embeddings' and the other groups outside the blocks and the loss
+            if "*" not in g.module and not (g.category == "head" or i in (self.tied, self.shared)):
+                self.grad(i, g.count)
         self.sim.free(embed)
 
     def loss(self, cached: list[int]) -> None:
@@ -618,8 +617,7 @@ class _Step:
             if i == self.shared:  # the tied matrix's part from the head
                 self.matrix_part()
                 continue
-            for _ in range(g.count):
-                self.accumulate(i, self.sim.alloc(g.numel * element_bytes(g, self.prec.grad)))
+            self.grad(i, g.count)
         self.sim.free(halves if halves else cast + head)
 
     def matrix_part(self) -> None:
