@@ -66,8 +66,10 @@ def label(case: dict) -> str:
             " static" if case.get("kv_cache") == "static" else "")
         return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
                 f"infer new={case.get('max_new_tokens', 0)}{extra}")
+    accum = (f" accum={case['grad_accum']}" if case.get("grad_accum", 1) > 1 else "") + (
+        f" zero_grad={case['zero_grad']}" if case.get("zero_grad", "set-to-none") != "set-to-none" else "")
     return (f"{m} b{case['micro_batch']} s{case['seq_len']} {case['precision']} {case['attn']} "
-            f"{case['optim']} ckpt={case['grad_ckpt']}{tuning}")
+            f"{case['optim']} ckpt={case['grad_ckpt']}{tuning}{accum}")
 
 
 def table(results: list[dict]) -> str:
