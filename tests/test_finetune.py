@@ -101,9 +101,11 @@ def test_all_linear(name):
 
 def test_all_linear_distilbert_classifier_is_refused_by_peft():
     """PEFT's SEQ_CLS adds modules_to_save "classifier", which (endswith) also wraps pre_classifier, already
-    a LoRA layer under all-linear: get_peft_model raises. memplan has no constraint for it yet."""
+    a LoRA layer under all-linear: get_peft_model raises, and memplan refuses it (lora-target-saved)."""
     with pytest.raises(TypeError, match="modules_to_save cannot be applied"):
         peft_trainable("distilbert-base", target_modules="all-linear")
+    with pytest.raises(UserError, match="adapts distilbert.*pre_classifier|adapts pre_classifier"):
+        memplan.estimate("distilbert-base", "a100-80g", method="lora", lora_targets=("all-linear",))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -138,11 +140,30 @@ def test_question_answering_head():
     assert memplan_trainable("bert-base", head) == peft_trainable("bert-base", head)
 
 
+def test_a_target_without_a_linear_weight_is_refused():
+    """PEFT puts its own LoRA on an nn.Embedding target (lora_embedding_A / B), which memplan does not model, and
+    refuses a norm; named beside a linear layer, memplan had adapted the linear one and dropped the other. Both are
+    refused now (lora-targets-linear), whatever else is named."""
+    base = peft_trainable("llama-3.2-1b", target_modules=["q_proj"])
+    assert peft_trainable("llama-3.2-1b", target_modules=["q_proj", "embed_tokens"]) > base
+    with pytest.raises(ValueError, match="is not supported"):
+        peft_trainable("llama-3.2-1b", target_modules=["q_proj", "input_layernorm"])
+    for target in ("embed_tokens", "input_layernorm"):
+        with pytest.raises(UserError, match=f"--lora-targets {target} names .* which has no linear weight"):
+            memplan.estimate("llama-3.2-1b", "a100-80g", method="lora", lora_targets=("q_proj", target))
+
+
 def test_all_linear_token_classifier_is_refused_by_peft():
     """TOKEN_CLS: all-linear keeps the classifier (PEFT excludes it for SEQ_CLS only), then the task's
-    modules_to_save cannot wrap the LoRA layer: get_peft_model raises. memplan has no constraint for it yet."""
+    modules_to_save cannot wrap the LoRA layer: get_peft_model raises, and memplan refuses it (lora-target-saved).
+    Named without the classifier, the linear layers are adapted and it is saved, as PEFT counts."""
     with pytest.raises(TypeError, match="modules_to_save cannot be applied"):
         peft_trainable("bert-base", "token-classification", target_modules="all-linear")
+    spec = resolve_model("bert-base", "token-classification")
+    with pytest.raises(UserError, match="adapts classifier, which modules_to_save"):
+        memplan.estimate(spec, "a100-80g", method="lora", lora_targets=("all-linear",))
+    assert memplan_trainable("bert-base", "token-classification", lora_targets=("query", "value")) == \
+        peft_trainable("bert-base", "token-classification", target_modules=["query", "value"])
 
 
 def test_mixtral_expert_targets():

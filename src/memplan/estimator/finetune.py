@@ -129,6 +129,26 @@ def in_saved(path: str, names: tuple[str, ...]) -> bool:
     return any(".".join(parts[i:j]) == n for n in names for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
 
 
+def wrapped_adapter(spec: ModelSpec, targets: tuple[str, ...], modules_to_save: tuple[str, ...]) -> str | None:
+    """A linear PEFT adapts and a modules_to_save wrapper then wraps, which get_peft_model refuses (TypeError:
+    "modules_to_save cannot be applied to modules of type ...Linear", utils/other.py); None where there is none.
+    The adapters skip a module whose path holds a modules_to_save name as whole components (in_saved), the task's
+    names only for sequence classification, whose model adds them to the config before injecting the adapters
+    (peft_model.py PeftModelForSequenceClassification; token classification and question answering add theirs
+    after); the wrapper takes any module whose path ends with a name (under). Traced: DistilBERT's pre_classifier
+    under all-linear (it ends with "classifier"), BERT's token classifier under all-linear."""
+    task, names = PEFT_TASKS.get(spec.head, ("", ())), targets or default_targets(spec)
+    wrap = modules_to_save + task[1]
+    skip = wrap if task[0] == "SEQ_CLS" else modules_to_save
+    for g in spec.params:
+        if not g.weight_of or in_saved(g.module, skip) or g.module.rsplit(".", 1)[-1] in renamed_targets(spec):
+            continue
+        targeted = not is_output_layer(spec, g) if names == (ALL_LINEAR,) else matches(g.module, names)
+        if targeted and under(g.module, wrap):
+            return g.module
+    return None
+
+
 def adapted(spec: ModelSpec, t: Tuning, g: ParamGroup) -> bool:
     """Whether LoRA adapts the linear whose weight is `g`."""
     if not g.weight_of or in_saved(g.module, saved_modules(spec, t)):

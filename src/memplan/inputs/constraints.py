@@ -26,8 +26,8 @@ from memplan.estimator.families import (
     family, full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
 )
 from memplan.estimator.finetune import (
-    ALL_LINEAR, default_targets, fused_names, has_module, linear_names, load_dtype, matches, renamed_targets,
-    stack_blocks, unpaired_fused,
+    ALL_LINEAR, PEFT_TASKS, default_targets, fused_names, has_module, linear_names, load_dtype, matches,
+    renamed_targets, stack_blocks, unpaired_fused, wrapped_adapter,
 )
 from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
 
@@ -173,6 +173,21 @@ def changed(w: Any, *knobs: str) -> bool:
 
 def _cc(gpu: GPUProfile) -> str:
     return ".".join(map(str, gpu.compute_capability))
+
+
+def unadapted_target(m: ModelSpec, targets: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first LoRA target (other than all-linear) that names a module of m owning parameters but no linear weight
+    (an embedding, a convolution, a norm; a MoE layer's fused experts aside), with that module's path."""
+    linear: dict[str, bool] = {}
+    for p in m.params:
+        linear[p.module] = linear.get(p.module, False) or bool(p.weight_of) or p.category == "experts"
+    for t in targets:
+        if t == ALL_LINEAR:
+            continue
+        module = next((mod for mod, lin in linear.items() if not lin and matches(mod, (t,))), None)
+        if module is not None:
+            return t, module
+    return None
 
 
 TABLE: tuple[Constraint, ...] = (
@@ -445,6 +460,24 @@ TABLE: tuple[Constraint, ...] = (
                        + (f"; its fused experts: {', '.join(fused_names(m))}" if fused_names(m) else "")
                        + ", or all-linear)",
        {"method": "lora", "lora_targets": ("nonexistent",)}),
+    # PEFT 0.21 (tuners/lora/layer.py dispatch_default) puts its own adapters on an nn.Embedding or a convolution
+    # and refuses any other module without a linear weight (a norm: model.py _create_new_module, "Target module ...
+    # is not supported"); memplan models the linear layers' and fused experts' adapters only, so a target naming such
+    # a module is refused, not dropped while the others are adapted
+    _c("lora-targets-linear", "model", "method lora_targets",
+       lambda w, m, g: w.method in ("lora", "qlora") and unadapted_target(m, w.lora_targets) is not None,
+       lambda w, m, g: "--lora-targets {0} names {1}, which has no linear weight: memplan models LoRA on linear "
+                       "layers and fused experts (PEFT puts its embedding or convolution LoRA there, or refuses "
+                       "the module)".format(*unadapted_target(m, w.lora_targets)),
+       {"method": "lora", "lora_targets": ("q_proj", "embed_tokens")}, model="llama-3.2-1b"),
+    _c("lora-target-saved", "model", "method lora_targets modules_to_save",
+       lambda w, m, g: w.method in ("lora", "qlora") and wrapped_adapter(m, w.lora_targets, w.modules_to_save)
+       is not None,
+       lambda w, m, g: f"--lora-targets {','.join(w.lora_targets) or 'PEFT default'} adapts "
+                       f"{wrapped_adapter(m, w.lora_targets, w.modules_to_save)}, which modules_to_save "
+                       f"({', '.join(w.modules_to_save + PEFT_TASKS.get(m.head, ('', ()))[1])}) then wraps: PEFT "
+                       "refuses a LoRA layer there; name the linear layers without it",
+       {"method": "lora", "lora_targets": ("all-linear",)}, model="distilbert-base"),
     # transformers 5 fuses a MoE layer's experts into one module; PEFT adapts them through the v4 names, and two of
     # them (w1 and w3, gate_proj and up_proj) become one tensor, gate_up_proj, which it cannot adapt half of
     _c("lora-fused-pair", "model", "method lora_targets",
