@@ -203,6 +203,16 @@ def test_unreachable_hub_id(monkeypatch):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("proxy", ["http://host:99999", "http://[::1"])
+def test_a_malformed_proxy_is_an_unreachable_hub(monkeypatch, proxy):
+    """urlsplit raises on a port past 65535 or a broken IPv6 host: the probe says unreachable, no traceback."""
+    from memplan.inputs import catalog
+
+    monkeypatch.setenv("HTTPS_PROXY", proxy)
+    monkeypatch.setenv("https_proxy", proxy)
+    assert catalog.hub_reachable(0.1) is False
+
+
 def test_hub_id_through_transformers(monkeypatch):
     """A reachable/cached hub id goes AutoConfig -> spec_from_config (AutoConfig faked: no network)."""
     import transformers

@@ -37,11 +37,11 @@ def test_names_are_unique_and_scopes_known():
 @pytest.mark.parametrize("name", TABLE)
 def test_estimate_refuses_the_example_with_the_message(name):
     c = TABLE[name]
-    spec, gpu = memplan.resolve_model(c.model), memplan.load_gpu(c.gpu)
+    spec, gpu = memplan.resolve_model(c.model, c.head), memplan.load_gpu(c.gpu)
     w = _draft(c)
     assert constraints.first_violation(w, spec, gpu) is c, "the example should break this entry first"
     with pytest.raises(memplan.UserError) as e:
-        memplan.estimate(c.model, c.gpu, **c.example)
+        memplan.estimate(c.model, c.gpu, head=c.head, **c.example)
     assert str(e.value) == c.text(w, spec, gpu)
     assert "\n" not in str(e.value)
 
@@ -49,7 +49,7 @@ def test_estimate_refuses_the_example_with_the_message(name):
 @pytest.mark.parametrize("name", TABLE)
 def test_each_predicate_reads_only_the_fields_it_declares(name):
     c = TABLE[name]
-    spec, gpu = memplan.resolve_model(c.model), memplan.load_gpu(c.gpu)
+    spec, gpu = memplan.resolve_model(c.model, c.head), memplan.load_gpu(c.gpu)
     for w in (_draft(c), Workload()):  # the refused example and a valid default
         seen = Reads(w)
         c.invalid(seen, spec, gpu)
@@ -61,7 +61,7 @@ def test_suggest_never_plans_what_the_table_refuses(name):
     """suggest asked for the example's values (as far as its options go) either refuses them by name or
     plans only what every entry allows."""
     c = TABLE[name]
-    spec, gpu = memplan.resolve_model(c.model), memplan.load_gpu(c.gpu)
+    spec, gpu = memplan.resolve_model(c.model, c.head), memplan.load_gpu(c.gpu)
     options = {k: v for k, v in c.example.items() if k in SUGGEST_OPTIONS}
     if "sp" in options:
         options["sp"] = "on" if options["sp"] else "off"

@@ -75,6 +75,19 @@ def test_inference_defaults_to_half_weights_and_says_what_autocast_costs():
     assert not any("autocast" in n for n in pure.notes)
 
 
+def test_the_default_prompt_leaves_the_new_tokens_room_in_learned_positions(memplan_cli):
+    """GPT-2's 1,024 learned positions index the prompt and the generated tokens: --max-new-tokens 10 alone was
+    refused for a --seq-len the user never gave. The default prompt is 1,014 now, in estimate, suggest and verify's
+    defaults; a rotary model keeps its default."""
+    e = memplan.estimate("gpt2", "a100-80g", task="infer", max_new_tokens=10)
+    assert e.workload.seq_len == 1014 and "seq-len 1014 (1,024 learned positions less --max-new-tokens 10)" in e.defaults
+    s = memplan.suggest("gpt2", "a100-80g", task="infer", max_new_tokens=10)
+    assert s.plans and all(p.workload.seq_len == 1014 for p in s.plans)
+    assert memplan.estimate("llama-3.2-1b", "a100-80g", task="infer", max_new_tokens=10).workload.seq_len == 2048
+    r = memplan_cli("estimate", "-m", "gpt2", "-g", "a100-80g", "--task", "infer", "--max-new-tokens", "10")
+    assert r.returncode == 0, r.stderr
+
+
 # -- host RAM ---------------------------------------------------------------------------------------
 def test_every_bundled_profile_states_its_host_with_a_source():
     for p in memplan.list_gpus():

@@ -293,7 +293,7 @@ def suggest(model, gpu, task, seq_len, optim, optim_args, attn, head, zero_grad,
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="a plan: the plan.json that "
               "--emit wrote, or `suggest --json` output (its first plan, or --plan-index); options given here "
               "override the plan's")
-@click.option("--plan-index", type=int, default=0, show_default=True)
+@click.option("--plan-index", type=int, default=None, help="which plan of --plan FILE  [default: 0, the best]")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu", "fake"]), default="auto", show_default=True,
               help="cuda: real run on the GPU; cpu: real run on the CPU; fake: full-size trace with no memory; "
               "auto: cuda when there is a GPU, else fake")

@@ -158,8 +158,11 @@ def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
     from huggingface_hub import constants
 
     proxy = urllib.request.getproxies().get("https")
-    url = urllib.parse.urlsplit(proxy or constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        url = urllib.parse.urlsplit(proxy or constants.ENDPOINT)
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:  # a malformed proxy (a port past 65535, a broken IPv6 host): nothing to connect to
+        return False
     ok: list[bool] = []
 
     def probe() -> None:

@@ -81,6 +81,8 @@ BOUNDS: dict[str, Bound] = {
     # LoRA ranks in use run 1-256 (the LoRA paper used 1-64; rsLoRA tried up to 2048)
     "lora_r": Bound(1, 4096, "LoRA rank", "rsLoRA (Kalajdzievski 2023) trained ranks up to 2,048"),
     "trainable_layers": Bound(1, 256, "trainable blocks", "a model has at most 256 layers (inputs/hf.py)"),
+    # verify's optimizer steps: the second reaches the steady state the estimate is (the first creates the states)
+    "steps": Bound(2, 100, "optimizer steps", "the allocator repeats itself from the second step on"),
     # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
     "cpu_mem": Bound(1, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
 }
@@ -128,7 +130,8 @@ class Constraint:
     invalid: Rule  # True: the configuration is refused
     message: Rule | str  # the one line the user sees
     example: dict[str, Any] = field(default_factory=dict)  # Workload keyword arguments it refuses
-    model: str = "gpt2"  # the model and GPU of the example
+    model: str = "gpt2"  # the model, its head (None: the model's default) and the GPU of the example
+    head: str | None = None
     gpu: str = "a100-80g"
 
     def text(self, w: Any, spec: ModelSpec | None = None, gpu: GPUProfile | None = None) -> str:
@@ -208,6 +211,19 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: w.kv_cache == "static" and (w.task != "infer" or w.max_new_tokens == 0),
        "--kv-cache static applies to generation (--task infer with --max-new-tokens)",
        {"task": "infer", "precision": "fp16", "kv_cache": "static"}),
+    _c("beams-generate", "workload", "task max_new_tokens beams",
+       lambda w, m, g: w.task == "infer" and w.beams > 1 and w.max_new_tokens == 0,
+       "--beams applies to generation (--max-new-tokens); a scoring forward has no beams",
+       {"task": "infer", "precision": "fp16", "beams": 4}),
+    # serving reads none of these: accepted, they were echoed in the workload as if they had been used (serving's
+    # grad_accum is its micro batches in sequence, the search's split of the batch)
+    _c("training-options-train", "workload", "task zero_grad momentum optim",
+       lambda w, m, g: w.task == "infer" and (w.zero_grad != "set-to-none" or w.momentum != 0
+                                              or w.optim != "adamw_torch_fused"),
+       lambda w, m, g: "--" + next(f for f, v in (("zero-grad", w.zero_grad != "set-to-none"),
+                                                 ("optim-args", w.momentum != 0), ("optim", True)) if v)
+                       + " applies to training only",
+       {"task": "infer", "precision": "fp16", "optim": "sgd"}),
     _c("flash-needs-half", "workload", "attn precision",
        lambda w, m, g: w.attn == "flash" and w.precision == "fp32",
        "flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)", {"attn": "flash", "precision": "fp32"}),
@@ -220,6 +236,12 @@ TABLE: tuple[Constraint, ...] = (
        lambda w, m, g: f"--tp {w.tp} must stay inside a node of {w.gpus} GPUs", {"gpus": 2, "nodes": 2, "tp": 4}),
     _c("sp-needs-tp", "workload", "sp tp",
        lambda w, m, g: w.sp and w.tp == 1, "--sp (sequence parallel) needs --tp > 1", {"sp": True}),
+    # Megatron's sequence parallelism splits the sequence dimension evenly over the TP ranks
+    # (core/tensor_parallel/mappings.py _split_along_first_dim asserts dim_size % world_size == 0)
+    _c("sp-divides-seq", "workload", "sp tp seq_len",
+       lambda w, m, g: w.sp and w.tp > 1 and w.seq_len % w.tp != 0,
+       lambda w, m, g: f"--sp splits the sequence over the --tp {w.tp} ranks: --seq-len {w.seq_len:,} does not divide",
+       {"sp": True, "tp": 2, "gpus": 2, "seq_len": 127}),
     _c("vpp-needs-pp", "workload", "vpp pp",
        lambda w, m, g: w.vpp > 1 and w.pp == 1, "--vpp (interleaved pipeline) needs --pp > 1", {"vpp": 2}),
     _c("offload-needs-zero", "workload", "offload zero",
@@ -432,6 +454,12 @@ TABLE: tuple[Constraint, ...] = (
                        f"interface, which {m.model_type} does not use; the families that do: "
                        f"{', '.join(model_types(lambda f: f.selective))}",
        {"grad_ckpt": "selective"}, model="falcon-7b"),
+    _c("generation-needs-lm-head", "model", "max_new_tokens",
+       lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("decoder", "encoder-decoder")
+       and m.head not in ("causal-lm", "seq2seq-lm"),
+       lambda w, m, g: f"--max-new-tokens generates tokens, which needs a language-model head: {m.name} has "
+                       f"--head {m.head}",
+       {"task": "infer", "precision": "fp16", "max_new_tokens": 8}, head="sequence-classification"),
     _c("generation-needs-decoder", "model", "max_new_tokens",
        lambda w, m, g: w.max_new_tokens > 0 and m.arch in ("encoder", "vision"),
        lambda w, m, g: f"{m.name} is an encoder: --max-new-tokens needs a decoder or encoder-decoder",

@@ -57,12 +57,15 @@ SERVING_HALF = {"bf16-pure": "bf16 weights, from_pretrained(dtype=torch.bfloat16
                 "fp16-pure": "fp16 weights, from_pretrained(dtype=torch.float16)"}
 
 
-def seq_len(spec: ModelSpec, task: str) -> int:
-    """A vision model's patches (+ CLS); otherwise the model's maximum, capped (SEQ_CAP)."""
+def seq_len(spec: ModelSpec, task: str, new_tokens: int = 0) -> int:
+    """A vision model's patches (+ CLS); otherwise the model's maximum, capped (SEQ_CAP), leaving `new_tokens`
+    generated tokens room in a learned position table (_room)."""
     if spec.arch == "vision":
         return spec.seq_positions
     cap = SEQ_CAP.get(spec.arch, SEQ_CAP["encoder"])
-    return min(spec.max_position or cap, cap)
+    seq = min(spec.max_position or cap, cap)
+    room = _room(spec, seq, new_tokens)
+    return room[0] if room else seq
 
 
 def precision(gpu: GPUProfile, task: str) -> str:
@@ -137,7 +140,19 @@ def choose(spec: ModelSpec, gpu: GPUProfile, given: Mapping[str, Any], *, gpus: 
         if task in d.tasks and given.get(d.field) is None:
             values[d.field] = d.value(spec, gpu, task, gpus)
             said.append(d.said(values[d.field], spec, gpu, task, gpus))
+            if d.field == "seq_len" and (room := _room(spec, seq_len(spec, task), given.get("max_new_tokens") or 0)):
+                values["seq_len"], said[-1] = room
     return Chosen(values, [s for s in said if s])
+
+
+def _room(spec: ModelSpec, seq: int, new_tokens: int) -> tuple[int, str] | None:
+    """The default prompt shortened to leave the generated tokens room in a learned position table (GPT-2's 1,024
+    rows: the prompt and the new tokens index it), with its line; None where it has room."""
+    if not (new_tokens and spec.position == "learned" and spec.max_position
+            and seq + new_tokens > spec.max_position > new_tokens):
+        return None
+    fit = spec.max_position - new_tokens
+    return fit, f"seq-len {fit} ({spec.max_position:,} learned positions less --max-new-tokens {new_tokens:,})"
 
 
 def verify_gpu(device: str) -> tuple[str, str]:

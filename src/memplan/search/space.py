@@ -80,7 +80,8 @@ def _parse_ints(value, every: list[int], what: str) -> list[int]:
 def defaults(req: SearchRequest) -> list[str]:
     """The defaults memplan chooses for what the request leaves open, said out loud: the line estimate
     and verify print for the same question (memplan.inputs.defaults)."""
-    given = {k: getattr(req, k) for k in ("task", "seq_len", "precision", "optim", "kernels", "tiled_mlp", "cpu_mem")}
+    given = {k: getattr(req, k) for k in ("task", "seq_len", "max_new_tokens", "precision", "optim", "kernels",
+                                          "tiled_mlp", "cpu_mem")}
     return chosen.choose(req.spec, req.gpu, given, gpus=req.gpus).said
 
 
@@ -107,7 +108,8 @@ def _values(req: SearchRequest) -> Space:
     attns = [a for a in constraints.allowed({"task": req.task}, "attn", supported_attn(spec), spec, gpu)
              if a != "memplan"]
     return Space(
-        seq=req.seq_len or default_seq_len(spec, req.task), global_batch=req.global_batch or chosen.GLOBAL_BATCH,
+        seq=req.seq_len or default_seq_len(spec, req.task, req.max_new_tokens),
+        global_batch=req.global_batch or chosen.GLOBAL_BATCH,
         gpus=req.gpus, nodes=req.nodes,
         precisions=parse_choice(req.precision, supported_precisions(spec, gpu, req.task),
                                 [best_mixed_precision(gpu, req.task)], "precision",

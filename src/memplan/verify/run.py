@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from memplan.errors import UserError
 from memplan.estimator.breakdown import MemoryBreakdown, allocator_mode
 from memplan.estimator.rules import PRECISIONS
+from memplan.inputs.constraints import bound_problem
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 from memplan.verify.infer import run_cuda_infer, run_traced_infer
@@ -502,8 +503,25 @@ def check_allocator_mode(expandable: bool, conf: str) -> None:
             "--expandable-segments, or unset them)"))
 
 
+def _check_inputs(gpu: str | None, plan_file: str | None, plan_index: int | None, steps: int) -> None:
+    """verify's own options, refused as the constraints table refuses a workload's (one line each)."""
+    from memplan.inputs import defaults
+
+    if plan_file is not None and not plan_file.strip():
+        raise UserError("--plan: empty file name")
+    if plan_index is not None and plan_file is None:
+        raise UserError("--plan-index picks a plan of --plan FILE; there is no --plan")
+    if gpu is not None and not gpu.strip():
+        raise UserError("empty GPU name (memplan gpus lists them)")
+    if steps < defaults.VERIFY_MIN_STEPS:  # compare like with like: the estimate is the steady state
+        raise UserError(f"--steps {steps}: verify compares the steady state, which the second step reaches (the "
+                        f"first creates the optimizer state); use --steps {defaults.VERIFY_MIN_STEPS} or more")
+    if problem := bound_problem("steps", steps):
+        raise UserError(f"--steps {problem}")
+
+
 def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_remote_code: bool = False,
-        plan_file: str | None = None, plan_index: int = 0, device: str = "auto", steps: int = 2,
+        plan_file: str | None = None, plan_index: int | None = None, device: str = "auto", steps: int = 2,
         progress: bool = False, **given: Any) -> VerifyReport:
     """Resolve the plan, run it on `device`, compare with the estimate (the API behind `memplan verify`)."""
     from memplan import api
@@ -511,14 +529,12 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     from memplan.inputs.catalog import resolve_config
 
     work: dict[str, Any] = {}
+    _check_inputs(gpu, plan_file, plan_index, steps)
     if plan_file:
-        p_model, p_gpu, work = read_plan(plan_file, plan_index)
+        p_model, p_gpu, work = read_plan(plan_file, plan_index or 0)
         model, gpu = model or p_model, gpu or p_gpu
     if not model:
         raise UserError("verify needs --model (or --plan FILE)")
-    if steps < defaults.VERIFY_MIN_STEPS:  # compare like with like: the estimate is the steady state
-        raise UserError(f"--steps {steps}: verify compares the steady state, which the second step reaches (the "
-                        f"first creates the optimizer state); use --steps {defaults.VERIFY_MIN_STEPS} or more")
     import torch
 
     if device == "auto":
