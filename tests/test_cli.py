@@ -180,6 +180,16 @@ REPRODUCERS = [  # (command line, what the one line says)
     ("suggest -m vit-base -g a100 --seq-len 1000", "vit-base reads a 224x224 image as 197 tokens"),
     ("suggest -m gpt2 -g a100 --sp on", "--sp (sequence parallel) needs --tp > 1"),
     ("estimate -m gpt2 -g a100 -b 4097 --seq-len 1024", "micro batch 4,097 x 1 beams x 1,024 tokens is over"),
+    # a helper's probe of the CLI (this session): each had been accepted, coerced or echoed unused
+    ("estimate -m gpt2 -g a100 --optim sgd --optim-args momentum=0.9,momentum=0", "--optim-args names momentum twice"),
+    ("estimate -m gpt2 -g a100 --optim sgd --optim-args momentum=0.9,,", "'' is not key=value"),
+    ("estimate -m gpt2 -g a100 --optim-args momentum=0.9", "momentum= applies to sgd, rmsprop"),
+    ("estimate -m gpt2 -g a100 --task infer --optim sgd", "--optim applies to training only"),
+    ("estimate -m gpt2 -g a100 --task infer --seq-len 128 --beams 4", "--beams applies to generation"),
+    ("estimate -m gpt2 -g a100 --gpus 2 --tp 2 --sp on --seq-len 127", "--seq-len 127 does not divide"),
+    ("estimate -m gpt2 -g a100 --head sequence-classification --task infer --seq-len 64 --max-new-tokens 4",
+     "needs a language-model head"),
+    ("suggest -m gpt2 -g a100 --gpus 2 --nodes 2 --net-gbs 1e-300", "--net-gbs: must be at least 0.1"),
 ]
 
 
@@ -238,3 +248,10 @@ def test_estimate_speaks_of_host_ram_only_where_offload_pins_some(memplan_cli):
     short = memplan_cli("estimate", "--model", "gpt2", "--gpu", "a100-80g", "--zero", "2", "--offload", "optimizer",
                         "--cpu-mem", "0.5")
     assert "does not fit in 512 MiB" in short.stdout
+
+
+@pytest.mark.parametrize("option, says", [("--fsdp", "fsdp: Input should be"), ("--offload", "offload: Input should be"),
+                                          ("--head", "empty --head")])
+def test_an_empty_option_is_refused_not_read_as_its_default(memplan_cli, option, says):
+    r = memplan_cli("estimate", "-m", "gpt2", "-g", "a100", option, "")
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

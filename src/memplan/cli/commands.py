@@ -28,14 +28,20 @@ def _momentum(optim_args: str | None) -> float:
     """HF TrainingArguments.optim_args style: 'momentum=0.9,nesterov=True'; memplan reads momentum."""
     if not optim_args:
         return 0.0
+    seen: dict[str, str] = {}
     for item in optim_args.split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "momentum":
-            try:
-                return float(value)
-            except ValueError:
-                raise UserError(f"--optim-args: momentum must be a number, got {value!r}") from None
-    return 0.0
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not key or not eq:
+            raise UserError(f"--optim-args: {item!r} is not key=value")
+        if key in seen:
+            raise UserError(f"--optim-args names {key} twice")
+        seen[key] = value
+    if "momentum" not in seen:
+        return 0.0
+    try:
+        return float(seen["momentum"])
+    except ValueError:
+        raise UserError(f"--optim-args: momentum must be a number, got {seen['momentum']!r}") from None
 
 
 def common_options(f, required: bool = True):
@@ -173,8 +179,10 @@ def _one_int(value, name: str, default: int) -> int:
 def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
     if sp not in (None, "on", "off"):
         raise UserError(f"--sp: expected on or off, got {sp!r}")
-    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), fsdp=fsdp or "none", offload=offload or "none",
-                tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1), sp=sp == "on", vpp=_one_int(vpp, "vpp", 1))
+    # an empty --fsdp / --offload is refused by the Workload's choices, not read as none
+    return dict(gpus=gpus, nodes=nodes, zero=_one_int(zero, "zero", 0), fsdp="none" if fsdp is None else fsdp,
+                offload="none" if offload is None else offload, tp=_one_int(tp, "tp", 1), pp=_one_int(pp, "pp", 1),
+                sp=sp == "on", vpp=_one_int(vpp, "vpp", 1))
 
 
 def _cpu_mem(gib: float | None) -> int | None:

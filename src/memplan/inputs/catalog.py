@@ -78,6 +78,8 @@ def resolve_model(name: str, head: str | None = None, trust_remote_code: bool = 
     """A ModelSpec for `--model NAME [--head HEAD]`; every failure is a one-line UserError."""
     if not name.strip():
         raise UserError("empty model name; `memplan models` lists the catalog")
+    if head is not None and not head.strip():
+        raise UserError("empty --head; leave it out for the model's own head")
     entry = get_entry(name)
     if entry is not None:
         if head is None or head == entry.spec.head:

@@ -29,7 +29,7 @@ from memplan.estimator.finetune import (
     ALL_LINEAR, PEFT_TASKS, default_targets, fused_names, has_module, linear_names, load_dtype, matches,
     renamed_targets, stack_blocks, unpaired_fused, wrapped_adapter,
 )
-from memplan.estimator.rules import INFER_PRECISIONS, TRAIN_PRECISIONS
+from memplan.estimator.rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
 
 if TYPE_CHECKING:
     from memplan.inputs.modelspec import ModelSpec
@@ -81,6 +81,8 @@ BOUNDS: dict[str, Bound] = {
     # LoRA ranks in use run 1-256 (the LoRA paper used 1-64; rsLoRA tried up to 2048)
     "lora_r": Bound(1, 4096, "LoRA rank", "rsLoRA (Kalajdzievski 2023) trained ranks up to 2,048"),
     "trainable_layers": Bound(1, 256, "trainable blocks", "a model has at most 256 layers (inputs/hf.py)"),
+    # inter-node bandwidth per GPU, GB/s: 1 Gbit/s Ethernet is 0.125 (1e-300 had priced a step at 1e298 s)
+    "net_gbs": Bound(0.1, 1800, "GB/s per GPU", "NVLink 5's 1,800 GB/s per GPU, the fastest link a GPU has"),
     # verify's optimizer steps: the second reaches the steady state the estimate is (the first creates the states)
     "steps": Bound(2, 100, "optimizer steps", "the allocator repeats itself from the second step on"),
     # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
@@ -224,6 +226,13 @@ TABLE: tuple[Constraint, ...] = (
                                                  ("optim-args", w.momentum != 0), ("optim", True)) if v)
                        + " applies to training only",
        {"task": "infer", "precision": "fp16", "optim": "sgd"}),
+    # torch's SGD and RMSprop take momentum; the others' constructors have no such argument (TypeError)
+    _c("momentum-optimizers", "workload", "task momentum optim",
+       lambda w, m, g: w.task == "train" and w.momentum != 0
+       and w.optim in OPTIMIZERS and not OPTIMIZERS[w.optim].momentum_arg,
+       lambda w, m, g: f"--optim-args momentum= applies to {', '.join(n for n, r in OPTIMIZERS.items() if r.momentum_arg)}"
+                       f" (torch.optim.SGD, RMSprop), not {w.optim}",
+       {"momentum": 0.9}),
     _c("flash-needs-half", "workload", "attn precision",
        lambda w, m, g: w.attn == "flash" and w.precision == "fp32",
        "flash attention needs fp16 or bf16 (FlashAttention-2 has no fp32 kernels)", {"attn": "flash", "precision": "fp32"}),

@@ -87,7 +87,8 @@ class Workload(BaseModel):
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator grows one segment per pool by
     # mapping pages at its end, instead of cudaMalloc'ing a segment per miss (reserved, device used)
     expandable_segments: bool = False
-    net_gbs: Annotated[float, Finite] | None = Field(None, gt=0)  # inter-node GB/s per GPU (cost model; None: by GPU generation)
+    # inter-node GB/s per GPU (cost model; None: by GPU generation)
+    net_gbs: Annotated[float, Finite, bounded("net_gbs")] | None = None
     # -- fine-tuning method (docs/finetune.md) ---------------------------------------------------------
     # full: every parameter trained. lora: the base frozen in its load dtype, PEFT LoRA adapters trained.
     # qlora: the base's linear layers quantised by bitsandbytes (`quant`), LoRA adapters trained.
