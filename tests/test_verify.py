@@ -109,6 +109,8 @@ def test_verify_reads_a_suggest_plan_and_keeps_the_json_contract(tmp_path, mempl
     (["--model", "bert-base", "--plan-index", "1"], "--plan-index picks a plan of --plan FILE"),
     (["--model", "bert-base", "--plan", ""], "--plan: empty file name"),
     (["--model", "bert-base", "--gpu", ""], "empty GPU name"),
+    (["--model", "gpt2", "--device", "cpu", "--seq-len", "1024", "--micro-batch", "4096"],
+     "GiB this machine has available"),  # 5.6 TiB of tensors: refused before the OOM killer ends it
     (["--model", "bert-base", "--task", "infer", "--precision", "int8", "--device", "fake"],
      "--device fake cannot verify --precision int8"),
     (["--model", "t5-small", "--task", "infer", "--max-new-tokens", "4"], "no generate"),

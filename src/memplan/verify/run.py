@@ -503,6 +503,22 @@ def check_allocator_mode(expandable: bool, conf: str) -> None:
             "--expandable-segments, or unset them)"))
 
 
+def _fits_host(allocated: int, device: str) -> None:
+    """--device cpu holds the step's tensors in host memory: refused up front where the estimate's peak allocated
+    passes what this machine has available (/proc/meminfo MemAvailable; not checked where there is none), before
+    the kernel's out-of-memory killer ends the run without a word."""
+    if device != "cpu":
+        return
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if allocated > free:
+        raise UserError(f"--device cpu: the step allocates about {allocated / 2**30:,.1f} GiB, more than the "
+                        f"{free / 2**30:,.1f} GiB this machine has available; --device fake traces it without memory")
+
+
 def _check_inputs(gpu: str | None, plan_file: str | None, plan_index: int | None, steps: int) -> None:
     """verify's own options, refused as the constraints table refuses a workload's (one line each)."""
     from memplan.inputs import defaults
@@ -558,6 +574,7 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     note = {"cuda": f"real run on {torch.cuda.get_device_name() if device == 'cuda' else ''}",
             "cpu": "real run on the CPU with CUDA memory semantics (memplan.verify.cudasim), tensors counted",
             "fake": "full-size model under FakeTensorMode with CUDA semantics; no memory used"}[device]
+    _fits_host(est.peak_allocated_bytes, device)
     bar = _Progress(steps, f"verify ({device})", progress)
     try:
         t0 = time.perf_counter()
@@ -570,6 +587,11 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
         else:
             result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar, spec=spec)
         result.setdefault("seconds", time.perf_counter() - t0)
+    except RuntimeError as e:  # torch's CPU allocator (DefaultCPUAllocator: can't allocate memory)
+        if device != "cpu" or "can't allocate memory" not in str(e):
+            raise
+        raise UserError("--device cpu: the run needed more host memory than this machine could give; --device fake "
+                        "traces it without memory") from None
     finally:
         bar.close()
     report = compare(est, device, result, w, steps, prof.cuda_context_bytes, note)
