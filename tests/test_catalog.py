@@ -213,6 +213,25 @@ def test_a_malformed_proxy_is_an_unreachable_hub(monkeypatch, proxy):
     assert catalog.hub_reachable(0.1) is False
 
 
+def test_a_silent_hub_ends_in_one_line_within_the_lookup_deadline(monkeypatch):
+    """A proxy that accepts the connection and never answers had held `memplan estimate` past 400 s (the probe only
+    opens a TCP connection): the whole lookup now has a deadline (catalog.HUB_LOOKUP_SECONDS, 30 s)."""
+    import time
+
+    import huggingface_hub.constants
+
+    from memplan.inputs import catalog
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(catalog, "hub_reachable", lambda: True)
+    monkeypatch.setattr(catalog, "_auto_config", lambda *a: time.sleep(30))
+    monkeypatch.setattr(catalog, "HUB_LOOKUP_SECONDS", 0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match="accepted the connection but gave no config.json within 0 s"):
+        resolve_model("someorg/silent-model-3f9a")
+    assert time.perf_counter() - t0 < 5
+
+
 def test_hub_id_through_transformers(monkeypatch):
     """A reachable/cached hub id goes AutoConfig -> spec_from_config (AutoConfig faked: no network)."""
     import transformers

@@ -13,6 +13,7 @@ import difflib
 import json
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -147,6 +148,8 @@ def _read_local_config(path: Path) -> tuple[dict[str, Any], str]:
 # second; without one, transformers' own retries took 28-34 s on this machine (`memplan estimate -m
 # someorg/not-a-model`, timed before this probe existed).
 HUB_PROBE_SECONDS = 2.0
+# a whole config.json lookup once the probe got through (huggingface_hub times each request out at 10 s, and retries)
+HUB_LOOKUP_SECONDS = 30.0
 
 
 def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
@@ -197,13 +200,44 @@ def _hub_config(name: str, trust_remote_code: bool):
                         f"is unreachable (offline{', HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE else ''}) "
                         "and has no cached copy of its config.json")
     try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=offline)
+        return _within(HUB_LOOKUP_SECONDS, lambda: _auto_config(name, trust_remote_code, offline))
+    except TimeoutError:
+        raise UserError(f"cannot resolve model {name!r}: the Hugging Face hub (or the HTTPS proxy) accepted the "
+                        f"connection but gave no config.json within {HUB_LOOKUP_SECONDS:.0f} s") from None
     except Exception as e:  # OSError, ValueError, HTTP errors: all mean "could not get it"
         why = " ".join(str(e).split()).split(". ")[0][:200] or type(e).__name__  # first sentence: one line
         raise UserError(f"cannot resolve model {name!r}: not in the catalog, not a local path, and the Hugging "
                         f"Face hub {'has no cached copy' if offline else 'does not have it'} ({why})") from None
+
+
+def _auto_config(name: str, trust_remote_code: bool, offline: bool) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=offline)
+
+
+def _within(seconds: float, call: Callable[[], Any]) -> Any:
+    """call() in a daemon thread, its result or its exception; TimeoutError past `seconds` (the thread is left to
+    end on its own: a lookup that hangs on a silent proxy ends with the process)."""
+    import threading
+
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append((True, call()))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if not out:
+        raise TimeoutError
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _from_hub(name: str, head: str | None, trust_remote_code: bool) -> ModelSpec:
