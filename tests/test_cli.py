@@ -190,6 +190,9 @@ REPRODUCERS = [  # (command line, what the one line says)
     ("estimate -m gpt2 -g a100 --head sequence-classification --task infer --seq-len 64 --max-new-tokens 4",
      "needs a language-model head"),
     ("suggest -m gpt2 -g a100 --gpus 2 --nodes 2 --net-gbs 1e-300", "--net-gbs: must be at least 0.1"),
+    ("estimate -m gpt2 -g a100 --attn flash_attention_3", "flash_attention_3 (FlashAttention-3, Hopper only) is not"),
+    ("estimate -m gpt2 -g v100 --task infer --precision bf16-pure", "use --precision fp16-pure"),
+    ("estimate -m /dev/null -g a100", "not a regular file (a config.json or its folder)"),
 ]
 
 

@@ -130,7 +130,8 @@ def _read_local_config(path: Path) -> tuple[dict[str, Any], str]:
     """config.json (a file, or the one in a folder) as a dict, and a display name for the spec."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise UserError(f"cannot resolve model {str(path)!r}: folder has no config.json")
+        what = "folder has no config.json" if path.is_dir() else "not a regular file (a config.json or its folder)"
+        raise UserError(f"cannot resolve model {str(path)!r}: {what}")
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError) as e:

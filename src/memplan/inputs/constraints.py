@@ -394,7 +394,7 @@ TABLE: tuple[Constraint, ...] = (
     _c("bf16-needs-sm80", "gpu", "precision",
        lambda w, m, g: "bf16" in w.precision and not g.bf16,
        lambda w, m, g: f"{g.name} (sm {_cc(g)}) has no bf16 support (needs compute capability >= 8.0); "
-                       "use --precision fp16",
+                       f"use --precision {w.precision.replace('bf16', 'fp16')}",
        {"precision": "bf16"}, gpu="v100-16g"),
     _c("compute-dtype-bf16-needs-sm80", "gpu", "compute_dtype",
        lambda w, m, g: w.compute_dtype == "bf16" and not g.bf16,

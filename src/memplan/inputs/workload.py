@@ -11,8 +11,8 @@ from memplan.inputs.constraints import bounded, workload_problem
 
 Finite = Field(allow_inf_nan=False)  # a float setting: NaN and infinities are refused, not compared
 # transformers' attn_implementation names -> memplan's
-ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
-                "flash2": "flash", "sdpa": "sdpa", "eager": "eager", "flash": "flash", "memplan": "memplan"}
+ATTN_ALIASES = {"flash_attention_2": "flash", "flash-attn": "flash", "flash2": "flash", "sdpa": "sdpa", "eager": "eager",
+                "flash": "flash", "memplan": "memplan"}
 
 
 def canonical_optim(name: str) -> str:
@@ -122,6 +122,9 @@ class Workload(BaseModel):
     @classmethod
     def _attn(cls, v: str) -> str:
         key = str(v).strip().lower()
+        if key == "flash_attention_3":  # it had been read as FlashAttention-2 on any GPU, an A100 too
+            raise ValueError("flash_attention_3 (FlashAttention-3, Hopper only) is not modelled; flash is "
+                             "FlashAttention-2 (flash_attention_2)")
         if key not in ATTN_ALIASES:
             raise ValueError(f"unknown attention {v!r} (eager, sdpa, flash / flash_attention_2, memplan)")
         return ATTN_ALIASES[key]
