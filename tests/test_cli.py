@@ -142,7 +142,8 @@ REPRODUCERS = [  # (command line, what the one line says)
     ("suggest -m gpt2 -g a100 --optim ,", "unknown optimizer ''"),
     ("estimate -m gpt2 -g a100 --cpu-mem nan", "--cpu-mem: must be a finite number"),
     ("suggest -m gpt2 -g a100 --cpu-mem inf", "--cpu-mem: must be a finite number"),
-    ("estimate -m gpt2 -g a100 --cpu-mem 1e300", "--cpu-mem: must be a finite number"),
+    ("estimate -m gpt2 -g a100 --cpu-mem 1e300", "--cpu-mem 1e+300 GiB: reads 1 MiB to 1,048,576 GiB"),
+    ("estimate -m gpt2 -g a100 --cpu-mem -1", "--cpu-mem -1.0 GiB: reads 1 MiB to"),  # was said in bytes
     ("estimate -m gpt2 -g a100 --headroom inf", "headroom: Input should be a finite number"),
     ("suggest -m gpt2 -g a100 --headroom inf", "--headroom: Input should be a finite number"),
     ("estimate -m gpt2 -g a100 --pp 0", "pp: must be at least 1"),

@@ -129,6 +129,7 @@ def test_user_file_missing_field_one_line_error(tmp_path):
     ("changes", "field"),
     [
         ({"memory_bytes": "lots"}, "memory_bytes"),
+        ({"memory_bytes": 2**80}, "memory_bytes"),  # the --json byte counts had passed 2**63
         ({"tflops": {"fp64": 10.0}}, "tflops"),
         ({"compute_capability": [8]}, "compute_capability"),
         ({"bf16": False}, "bf16"),  # bf16 false but tflops has a bf16 entry

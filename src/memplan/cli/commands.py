@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 
 import click
@@ -187,11 +188,16 @@ def _parallel_work(gpus, nodes, zero, fsdp, offload, tp, pp, sp, vpp) -> dict:
 
 def _cpu_mem(gib: float | None) -> int | None:
     """--cpu-mem GiB as bytes, inside constraints.BOUNDS["cpu_mem"] (NaN and infinities refused)."""
-    from memplan.inputs.constraints import check_bound
+    from memplan.inputs.constraints import BOUNDS
 
     if gib is None:
         return None
-    check_bound("cpu_mem", gib * 2**30)
+    b = BOUNDS["cpu_mem"]
+    if not math.isfinite(gib):
+        raise UserError(f"--cpu-mem: must be a finite number, got {gib}")
+    if not b.low <= gib * 2**30 <= b.high:  # said in the option's unit, GiB
+        raise UserError(f"--cpu-mem {gib:,} GiB: reads {b.low / 2**20:,.0f} MiB to {b.high / 2**30:,.0f} GiB of "
+                        f"host RAM per node ({b.why})")
     return int(gib * 2**30)
 
 

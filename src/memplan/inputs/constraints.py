@@ -86,7 +86,7 @@ BOUNDS: dict[str, Bound] = {
     # verify's optimizer steps: the second reaches the steady state the estimate is (the first creates the states)
     "steps": Bound(2, 100, "optimizer steps", "the allocator repeats itself from the second step on"),
     # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
-    "cpu_mem": Bound(1, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
+    "cpu_mem": Bound(2**20, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
 }
 
 

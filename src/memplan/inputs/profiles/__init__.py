@@ -133,6 +133,8 @@ class GPUProfile(BaseModel):
     def _check_memory(cls, v: int) -> int:
         if v < 256 * MIB:
             raise ValueError("must be the total memory in bytes (at least 256 MiB)")
+        if v > 2**44:  # 16 TiB: the byte counts of the --json documents stay below 2**63 (docs/contract.md)
+            raise ValueError(f"{v:,} bytes is over memplan's bound of 16 TiB per GPU (the largest, B300, has 288 GB)")
         return v
 
     @field_validator("compute_capability")
