@@ -298,7 +298,7 @@ def trace_points(key) -> tuple[Layout, list[tuple[int, int, dict[str, Any]]]]:
     from memplan.estimator.traced import B_POINTS, seq_points
     from memplan.inputs.hf import prepare_config, spec_from_config
 
-    with _quiet():
+    with quiet():
         config = json.loads(key.config)
         spec = spec_from_config(config, "trace", head=key.head)
         cfg, head = prepare_config(config, key.head)
@@ -333,14 +333,21 @@ def _trace_types(types: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """transformers' warnings about the reduced config (layer counts) are not the user's business."""
-    import logging
+def quiet():
+    """transformers' warnings about a built model (the reduced config's layer counts, an unset loss_type, a
+    deprecated argument of its own generate) are not the user's business: its logger at ERROR and its
+    FutureWarnings ignored while the model is built and run, both restored after (the trace; verify's runs)."""
+    import warnings
 
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    # transformers' own setter: its root logger is configured (to WARNING) on first use, which a level set on the
+    # logging module's logger before that would not survive
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+            yield
     finally:
-        log.setLevel(level)
+        hf_logging.set_verbosity(level)

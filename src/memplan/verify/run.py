@@ -26,6 +26,7 @@ from memplan.errors import UserError
 from memplan.estimator.breakdown import MemoryBreakdown, allocator_mode
 from memplan.estimator.rules import PRECISIONS
 from memplan.inputs.constraints import bound_problem
+from memplan.inputs.trace import quiet
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 from memplan.verify.infer import run_cuda_infer, run_traced_infer
@@ -503,6 +504,17 @@ def check_allocator_mode(expandable: bool, conf: str) -> None:
             "--expandable-segments, or unset them)"))
 
 
+def _run_on(device: str, config, head: str | None, w: Workload, steps: int, sm: tuple[int, int], spec: ModelSpec,
+            bar) -> dict[str, Any]:
+    """The planned step on `device`: a serving step or training steps, real on the GPU, traced otherwise."""
+    if w.task == "infer":
+        return run_cuda_infer(config, head, w) if device == "cuda" else \
+            run_traced_infer(config, head, w, sm, device, on_phase=bar)
+    if device == "cuda":
+        return run_cuda(config, head, w, steps, on_phase=bar, spec=spec)
+    return run_traced(config, head, w, sm, device, steps, on_phase=bar, spec=spec)
+
+
 def _fits_host(allocated: int, device: str) -> None:
     """--device cpu holds the step's tensors in host memory: refused up front where the estimate's peak allocated
     passes what this machine has available (/proc/meminfo MemAvailable; not checked where there is none), before
@@ -579,13 +591,8 @@ def run(*, model: str | None, gpu: str | None, head: str | None = None, trust_re
     try:
         t0 = time.perf_counter()
         bar(0, "building the model")
-        if w.task == "infer":
-            result = run_cuda_infer(config, head, w) if device == "cuda" else \
-                run_traced_infer(config, head, w, prof.compute_capability, device, on_phase=bar)
-        elif device == "cuda":
-            result = run_cuda(config, head, w, steps, on_phase=bar, spec=spec)
-        else:
-            result = run_traced(config, head, w, prof.compute_capability, device, steps, on_phase=bar, spec=spec)
+        with quiet():  # transformers' warnings about the built model, on a run that succeeds
+            result = _run_on(device, config, head, w, steps, prof.compute_capability, spec, bar)
         result.setdefault("seconds", time.perf_counter() - t0)
     except RuntimeError as e:  # torch's CPU allocator (DefaultCPUAllocator: can't allocate memory)
         if device != "cpu" or "can't allocate memory" not in str(e):
