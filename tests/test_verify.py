@@ -424,7 +424,7 @@ def test_cpu_attention_keeps_cudas_memory_and_the_cpu_kernels_numbers(kv_heads):
 
 def test_a_run_that_succeeds_prints_nothing_on_stderr(memplan_cli):
     """transformers' warnings about the built model (an unset loss_type, generate's deprecated past_key_values)
-    had reached stderr on runs that succeed (trace.quiet now holds them during the run)."""
+    had reached stderr on runs that succeed (hf.quiet now holds them during the run)."""
     for extra in ([], ["--task", "infer", "--max-new-tokens", "4"]):
         r = memplan_cli("verify", "-m", "gpt2", "--device", "fake", "--seq-len", "32", *extra)
         assert r.returncode == 0 and r.stderr.strip() == "", r.stderr  # a transient progress line may end in "\n"

@@ -1223,7 +1223,7 @@ def _inference_around(spec: ModelSpec, b: int, s: int, r: int, attn: str, contex
     fam = family(spec.model_type)
     rope_dim = spec.qk_rope_head_dim if spec.is_mla else spec.head_dim  # MLA rotates only q and k's rope part
     around = [Tensors("rotary cos, sin", r * s * rope_dim, 2 * fam.rope_tables)] if spec.position == "rotary" else []
-    if fam.block_keeps_attn_output:
+    if fam.keeps_position_embeds:
         # GPT2Model.forward's position embeddings (wpe's output, 1 x s x h) live beside the blocks to the last one
         around.append(Tensors("position embeddings", r * spec.hidden_size * s))
     if attn != "eager" and spec.arch == "decoder" and sdpa_masked(spec, context or s):

@@ -92,10 +92,12 @@ class Family:
     # eager_attention_forward): its core makes other transients than transformers' shared one, so the replay
     # (timeline.py) makes its saved list in order
     attention_sinks: bool = False
-    # GPT2Block keeps the attention's output in a local through the MLP, and with learned positions the model's
-    # forward keeps the position embeddings' output (1 x s x h) beside the token embeddings' (traced: GPT-2,
-    # GPT-BigCode)
+    # GPT2Block keeps the attention's output in a local through the MLP, and quantises c_proj's input at the MLP's
+    # end (serving_timeline's block_end) (traced: GPT-2, GPT-BigCode)
     block_keeps_attn_output: bool = False
+    # the model's forward keeps the learned position embeddings' output (1 x s x h) in a local beside the blocks to
+    # the last one (GPT2Model, GPTBigCodeModel; traced serving)
+    keeps_position_embeds: bool = False
     # The layers' linears are nn.Linear, whose weight autocast casts once and caches (torch caches the casts of
     # leaf tensors only); False: FalconLinear multiplies by weight.T, a view, so each matmul casts its weight anew
     # and no_grad serving keeps no copy of a layer's weights (the LM head, an nn.Linear, is cached) (traced)
@@ -167,7 +169,7 @@ FAMILIES: dict[str, Family] = {
     "distilbert": Family(**_ENCODER),
     # GPT2Attention.c_attn is one Conv1D for q, k, v
     "gpt2": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
-                   block_keeps_attn_output=True,
+                   block_keeps_attn_output=True, keeps_position_embeds=True,
                    query_views_fused_qkv=True, fused_loss_causal_base="transformer", tiled_mlp=True,
                    memplan_attention=True),
     "opt": Family(**_DECODER, lora_targets=_QV, softmax_fp32=True),
@@ -191,7 +193,7 @@ FAMILIES: dict[str, Family] = {
     # eager_attention_forward always up-casts the softmax (the config's attention_softmax_in_fp32 /
     # scale_attention_softmax_in_fp32 are read into the module but no 5.23 code path uses them)
     "gpt_bigcode": Family(**_DECODER, lora_targets=("c_attn",), mlp_width_4h_when_unset=True, qkv_linears=1,
-                          block_keeps_attn_output=True,
+                          block_keeps_attn_output=True, keeps_position_embeds=True,
                                  query_views_fused_qkv=True, softmax_fp32=True, fused_loss_causal_base="transformer",
                           tiled_mlp=True, memplan_attention=True),
     # FalconDecoderLayer (falcon-7b: parallel_attn, one input_layernorm shared by attention and MLP;

@@ -129,6 +129,23 @@ def in_saved(path: str, names: tuple[str, ...]) -> bool:
     return any(".".join(parts[i:j]) == n for n in names for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
 
 
+def unadapted_target(spec: ModelSpec, targets: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first LoRA target (other than all-linear) that names a module owning parameters but no linear weight (an
+    embedding, a convolution, a norm; a MoE layer's fused experts aside), with that module's path: PEFT 0.21 puts its
+    own embedding or convolution LoRA there (tuners/lora/layer.py dispatch_default) or refuses it, and memplan models
+    the linear layers' adapters and the fused experts' only."""
+    linear: dict[str, bool] = {}
+    for p in spec.params:
+        linear[p.module] = linear.get(p.module, False) or bool(p.weight_of) or p.category == "experts"
+    for t in targets:
+        if t == ALL_LINEAR:
+            continue
+        module = next((mod for mod, lin in linear.items() if not lin and matches(mod, (t,))), None)
+        if module is not None:
+            return t, module
+    return None
+
+
 def wrapped_adapter(spec: ModelSpec, targets: tuple[str, ...], modules_to_save: tuple[str, ...]) -> str | None:
     """A linear PEFT adapts and a modules_to_save wrapper then wraps, which get_peft_model refuses (TypeError:
     "modules_to_save cannot be applied to modules of type ...Linear", utils/other.py); None where there is none.
@@ -137,9 +154,8 @@ def wrapped_adapter(spec: ModelSpec, targets: tuple[str, ...], modules_to_save: 
     (peft_model.py PeftModelForSequenceClassification; token classification and question answering add theirs
     after); the wrapper takes any module whose path ends with a name (under). Traced: DistilBERT's pre_classifier
     under all-linear (it ends with "classifier"), BERT's token classifier under all-linear."""
-    task, names = PEFT_TASKS.get(spec.head, ("", ())), targets or default_targets(spec)
-    wrap = modules_to_save + task[1]
-    skip = wrap if task[0] == "SEQ_CLS" else modules_to_save
+    names, wrap = targets or default_targets(spec), wrapped_names(spec, modules_to_save)
+    skip = wrap if PEFT_TASKS.get(spec.head, ("", ()))[0] == "SEQ_CLS" else modules_to_save
     for g in spec.params:
         if not g.weight_of or in_saved(g.module, skip) or g.module.rsplit(".", 1)[-1] in renamed_targets(spec):
             continue
@@ -235,7 +251,12 @@ def in_out(g: ParamGroup) -> tuple[int, int]:
 
 
 def saved_modules(spec: ModelSpec, t: Tuning) -> tuple[str, ...]:
-    return t.modules_to_save + (PEFT_TASKS.get(spec.head, ("", ()))[1] if t.adapters else ())
+    return wrapped_names(spec, t.modules_to_save) if t.adapters else t.modules_to_save
+
+
+def wrapped_names(spec: ModelSpec, modules_to_save: tuple[str, ...]) -> tuple[str, ...]:
+    """The names PEFT's modules_to_save wrappers take under LoRA: the user's and the task's (PEFT_TASKS)."""
+    return modules_to_save + PEFT_TASKS.get(spec.head, ("", ()))[1]
 
 
 @lru_cache(maxsize=1024)

@@ -399,7 +399,7 @@ class _Step:
             self.accumulate(i, total)
         for i, n in groups:
             g = self.groups[i]
-            for _ in range(n if g.trainable and (i, n) not in looped else 0):
+            for _ in range(n if g.trainable and not self.looped(g) else 0):
                 if not self.autocast_cast(g):
                     self.grad(i, 1)
                     continue

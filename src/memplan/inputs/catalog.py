@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict

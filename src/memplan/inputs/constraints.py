@@ -26,8 +26,8 @@ from memplan.estimator.families import (
     family, full_attention_only, fused_loss_supported, model_types, supported_attn, tiled_mlp_supported,
 )
 from memplan.estimator.finetune import (
-    ALL_LINEAR, PEFT_TASKS, default_targets, fused_names, has_module, linear_names, load_dtype, matches,
-    renamed_targets, stack_blocks, unpaired_fused, wrapped_adapter,
+    ALL_LINEAR, default_targets, fused_names, has_module, linear_names, load_dtype, matches, renamed_targets,
+    stack_blocks, unadapted_target, unpaired_fused, wrapped_adapter, wrapped_names,
 )
 from memplan.estimator.rules import INFER_PRECISIONS, OPTIMIZERS, TRAIN_PRECISIONS
 
@@ -83,7 +83,8 @@ BOUNDS: dict[str, Bound] = {
     "trainable_layers": Bound(1, 256, "trainable blocks", "a model has at most 256 layers (inputs/hf.py)"),
     # inter-node bandwidth per GPU, GB/s: 1 Gbit/s Ethernet is 0.125 (1e-300 had priced a step at 1e298 s)
     "net_gbs": Bound(0.1, 1800, "GB/s per GPU", "NVLink 5's 1,800 GB/s per GPU, the fastest link a GPU has"),
-    # verify's optimizer steps: the second reaches the steady state the estimate is (the first creates the states)
+    # verify's optimizer steps: the second reaches the steady state the estimate is (the first creates the states);
+    # verify.run says so below 2
     "steps": Bound(2, 100, "optimizer steps", "the allocator repeats itself from the second step on"),
     # host RAM per node, bytes: the largest single servers hold 32 TiB (HPE Superdome Flex)
     "cpu_mem": Bound(2**20, 2**50, "bytes of host RAM per node", "the largest servers hold 32 TiB"),
@@ -162,37 +163,16 @@ def precisions_of(task: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def method_defaults() -> dict[str, Any]:
-    """The method knobs' defaults, as the Workload declares them (read when first asked: workload.py
-    imports this module)."""
-    from memplan.inputs.workload import METHOD_KNOBS, Workload
+def changed(w: Any, *knobs: str) -> str | None:
+    """The first of these settings whose value differs from the Workload's default (a value the user set), else
+    None (the defaults read when first asked: workload.py imports this module)."""
+    from memplan.inputs.workload import Workload
 
-    return {k: Workload.model_fields[k].default for k in METHOD_KNOBS}
-
-
-def changed(w: Any, *knobs: str) -> bool:
-    """Whether any of these method knobs differs from its default (a value the user set)."""
-    defaults = method_defaults()
-    return any(getattr(w, k) != defaults[k] for k in knobs)
+    return next((k for k in knobs if getattr(w, k) != Workload.model_fields[k].default), None)
 
 
 def _cc(gpu: GPUProfile) -> str:
     return ".".join(map(str, gpu.compute_capability))
-
-
-def unadapted_target(m: ModelSpec, targets: tuple[str, ...]) -> tuple[str, str] | None:
-    """The first LoRA target (other than all-linear) that names a module of m owning parameters but no linear weight
-    (an embedding, a convolution, a norm; a MoE layer's fused experts aside), with that module's path."""
-    linear: dict[str, bool] = {}
-    for p in m.params:
-        linear[p.module] = linear.get(p.module, False) or bool(p.weight_of) or p.category == "experts"
-    for t in targets:
-        if t == ALL_LINEAR:
-            continue
-        module = next((mod for mod, lin in linear.items() if not lin and matches(mod, (t,))), None)
-        if module is not None:
-            return t, module
-    return None
 
 
 TABLE: tuple[Constraint, ...] = (
@@ -220,11 +200,9 @@ TABLE: tuple[Constraint, ...] = (
     # serving reads none of these: accepted, they were echoed in the workload as if they had been used (serving's
     # grad_accum is its micro batches in sequence, the search's split of the batch)
     _c("training-options-train", "workload", "task zero_grad momentum optim",
-       lambda w, m, g: w.task == "infer" and (w.zero_grad != "set-to-none" or w.momentum != 0
-                                              or w.optim != "adamw_torch_fused"),
-       lambda w, m, g: "--" + next(f for f, v in (("zero-grad", w.zero_grad != "set-to-none"),
-                                                 ("optim-args", w.momentum != 0), ("optim", True)) if v)
-                       + " applies to training only",
+       lambda w, m, g: w.task == "infer" and changed(w, "zero_grad", "momentum", "optim") is not None,
+       lambda w, m, g: {"zero_grad": "--zero-grad", "momentum": "--optim-args momentum=", "optim": "--optim"}[
+           changed(w, "zero_grad", "momentum", "optim")] + " applies to training only",
        {"task": "infer", "precision": "fp16", "optim": "sgd"}),
     # torch's SGD and RMSprop take momentum; the others' constructors have no such argument (TypeError)
     _c("momentum-optimizers", "workload", "task momentum optim",
@@ -512,7 +490,7 @@ TABLE: tuple[Constraint, ...] = (
        is not None,
        lambda w, m, g: f"--lora-targets {','.join(w.lora_targets) or 'PEFT default'} adapts "
                        f"{wrapped_adapter(m, w.lora_targets, w.modules_to_save)}, which modules_to_save "
-                       f"({', '.join(w.modules_to_save + PEFT_TASKS.get(m.head, ('', ()))[1])}) then wraps: PEFT "
+                       f"({', '.join(wrapped_names(m, w.modules_to_save))}) then wraps: PEFT "
                        "refuses a LoRA layer there; name the linear layers without it",
        {"method": "lora", "lora_targets": ("all-linear",)}, model="distilbert-base"),
     # transformers 5 fuses a MoE layer's experts into one module; PEFT adapts them through the v4 names, and two of

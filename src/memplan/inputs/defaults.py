@@ -36,8 +36,6 @@ SEQ_CAP = {"decoder": 2048, "encoder": 512, "encoder-decoder": 512}
 # FlashAttention-2 and the efficient kernel) and CUDA context the fake / cpu trace assumes; the A100 80GB
 # is the most common training GPU of the bundled profiles' clouds (docs/gpus.md)
 VERIFY_GPU = "a100-80g"
-# verify compares the steady state (optimizer states exist from the second step on): at least 2 steps
-VERIFY_MIN_STEPS = 2
 # why verify's GPU is the one it is, by device, when --gpu is not given
 VERIFY_GPU_WHY = {"cuda": "the GPU in this machine",
                   "other": "the profile the trace assumes: its attention kernels and CUDA context; --gpu to change"}

@@ -6,6 +6,7 @@ This is the only module on the model path that imports torch/transformers; the c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from collections import Counter
@@ -475,3 +476,24 @@ def build_model(config: dict[str, Any] | Any, head: str | None, attn: str = "sdp
         return auto.from_config(cfg, attn_implementation=impl, trust_remote_code=trust_remote_code, **extra), head
     except (ValueError, AssertionError) as e:
         raise UserError(f"transformers cannot build head {head!r}: {_last_line(e)}") from None
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers' warnings about a built model (the reduced config's layer counts, an unset loss_type, a
+    deprecated argument of its own generate) are not the user's business: its logger at ERROR and its
+    FutureWarnings ignored while the model is built and run, both restored after (the trace; verify's runs)."""
+    import warnings
+
+    # transformers' own setter: its root logger is configured (to WARNING) on first use, which a level set on the
+    # logging module's logger before that would not survive
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)

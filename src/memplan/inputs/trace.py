@@ -25,7 +25,6 @@ counts them itself.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any, NamedTuple
 
@@ -296,7 +295,7 @@ def trace_points(key) -> tuple[Layout, list[tuple[int, int, dict[str, Any]]]]:
     import json
 
     from memplan.estimator.traced import B_POINTS, seq_points
-    from memplan.inputs.hf import prepare_config, spec_from_config
+    from memplan.inputs.hf import prepare_config, quiet, spec_from_config
 
     with quiet():
         config = json.loads(key.config)
@@ -330,24 +329,3 @@ def _trace_types(types: tuple[str, ...]) -> tuple[str, ...]:
         return ()
     distinct = [t for t in dict.fromkeys(types) if t != types[-1]]
     return (types[0],) + tuple(distinct) + (types[-1],)
-
-
-@contextlib.contextmanager
-def quiet():
-    """transformers' warnings about a built model (the reduced config's layer counts, an unset loss_type, a
-    deprecated argument of its own generate) are not the user's business: its logger at ERROR and its
-    FutureWarnings ignored while the model is built and run, both restored after (the trace; verify's runs)."""
-    import warnings
-
-    # transformers' own setter: its root logger is configured (to WARNING) on first use, which a level set on the
-    # logging module's logger before that would not survive
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)

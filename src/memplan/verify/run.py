@@ -25,8 +25,8 @@ from pydantic import BaseModel
 from memplan.errors import UserError
 from memplan.estimator.breakdown import MemoryBreakdown, allocator_mode
 from memplan.estimator.rules import PRECISIONS
-from memplan.inputs.constraints import bound_problem
-from memplan.inputs.trace import quiet
+from memplan.inputs.constraints import BOUNDS, bound_problem
+from memplan.inputs.hf import quiet
 from memplan.inputs.modelspec import ModelSpec
 from memplan.inputs.workload import Workload
 from memplan.verify.infer import run_cuda_infer, run_traced_infer
@@ -533,17 +533,16 @@ def _fits_host(allocated: int, device: str) -> None:
 
 def _check_inputs(gpu: str | None, plan_file: str | None, plan_index: int | None, steps: int) -> None:
     """verify's own options, refused as the constraints table refuses a workload's (one line each)."""
-    from memplan.inputs import defaults
-
     if plan_file is not None and not plan_file.strip():
         raise UserError("--plan: empty file name")
     if plan_index is not None and plan_file is None:
         raise UserError("--plan-index picks a plan of --plan FILE; there is no --plan")
     if gpu is not None and not gpu.strip():
         raise UserError("empty GPU name (memplan gpus lists them)")
-    if steps < defaults.VERIFY_MIN_STEPS:  # compare like with like: the estimate is the steady state
+    least = BOUNDS["steps"].low
+    if steps < least:  # compare like with like: the estimate is the steady state
         raise UserError(f"--steps {steps}: verify compares the steady state, which the second step reaches (the "
-                        f"first creates the optimizer state); use --steps {defaults.VERIFY_MIN_STEPS} or more")
+                        f"first creates the optimizer state); use --steps {least:,} or more")
     if problem := bound_problem("steps", steps):
         raise UserError(f"--steps {problem}")
 
