@@ -424,7 +424,17 @@ def test_cpu_attention_keeps_cudas_memory_and_the_cpu_kernels_numbers(kv_heads):
 
 def test_a_run_that_succeeds_prints_nothing_on_stderr(memplan_cli):
     """transformers' warnings about the built model (an unset loss_type, generate's deprecated past_key_values)
-    had reached stderr on runs that succeed (hf.quiet now holds them during the run)."""
+    had reached stderr on runs that succeed (hf.quiet now holds them during the run). Its logger warns once a
+    process (warning_once's cache, cleared here) and pytest records warnings instead of printing them, so both
+    are looked for where they go."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
     for extra in ([], ["--task", "infer", "--max-new-tokens", "4"]):
-        r = memplan_cli("verify", "-m", "gpt2", "--device", "fake", "--seq-len", "32", *extra)
+        hf_logging.warning_once.cache_clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            r = memplan_cli("verify", "-m", "gpt2", "--device", "fake", "--seq-len", "32", *extra)
         assert r.returncode == 0 and r.stderr.strip() == "", r.stderr  # a transient progress line may end in "\n"
+        assert not [w for w in seen if "transformers" in w.filename], [str(w.message) for w in seen]
